@@ -1,0 +1,111 @@
+"""What to merge, from YAML: mergekit's recipe layout, all problems reported together.
+
+    merge_method: ram+
+    base_model: ./base
+    models:
+      - model: ./coder
+      - model: ./tools
+        parameters: {weight: 1.0}
+    parameters: {preset: paper, r: 0.1}
+    dtype: bfloat16
+    options: {shard_size: 5GB, allow_missing: false}   # rlmerge's own run options
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError, RLMergeError, raise_all
+
+TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "options", "tokenizer_source"}
+MODEL_KEYS = {"model", "parameters"}
+OPTIONS = {"shard_size", "block_size", "allow_missing", "count_tied_twice", "seed", "device"}
+
+
+@dataclass
+class Recipe:
+    method: str
+    base: str
+    agents: list[str]
+    parameters: dict[str, Any] = field(default_factory=dict)
+    dtype: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read recipe: {e.strerror}", file=str(p)) from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe is not valid YAML: {e}", file=str(p)) from e
+    return parse_recipe(doc, where=str(p))
+
+
+def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
+    if not isinstance(doc, dict):
+        raise ConfigError("recipe must be a mapping with merge_method, base_model and models", file=where)
+    problems: list[RLMergeError] = []
+
+    def bad(msg: str, hint: str | None = None) -> None:
+        problems.append(ConfigError(msg, file=where, hint=hint))
+
+    for key in sorted(set(doc) - TOP_KEYS):
+        bad(f"unsupported key {key!r}", hint=f"supported keys: {', '.join(sorted(TOP_KEYS))}")
+    method = doc.get("merge_method")
+    if not isinstance(method, str):
+        bad("merge_method is missing or not a string")
+    base = doc.get("base_model")
+    if not isinstance(base, str):
+        bad("base_model is missing or not a string (a folder or a hub id)")
+    if doc.get("tokenizer_source", "base") != "base":
+        bad(f"tokenizer_source {doc['tokenizer_source']!r} is not supported",
+            hint="rlmerge keeps the base's tokenizer: use tokenizer_source: base")
+    agents: list[str] = []
+    weights: list[float | None] = []
+    models = doc.get("models")
+    if not isinstance(models, list) or not models:
+        bad("models must be a non-empty list of {model: PATH}")
+        models = []
+    for i, m in enumerate(models):
+        entry = {"model": m} if isinstance(m, str) else m
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
+            bad(f"models[{i}] needs a 'model' path")
+            continue
+        for key in sorted(set(entry) - MODEL_KEYS):
+            bad(f"models[{i}]: unsupported key {key!r}")
+        mp = entry.get("parameters") or {}
+        if not isinstance(mp, dict):
+            bad(f"models[{i}].parameters must be a mapping")
+            mp = {}
+        for key in sorted(set(mp) - {"weight"}):
+            bad(f"models[{i}]: per-model parameter {key!r} is not supported", hint="set it under parameters")
+        if entry["model"] == base:
+            continue  # mergekit recipes may list the base among the models; it is not an agent
+        agents.append(entry["model"])
+        weights.append(mp.get("weight"))
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        bad("parameters must be a mapping")
+        params = {}
+    params = dict(params)
+    if any(w is not None for w in weights):
+        if "weights" in params:
+            bad("weights given both per model and under parameters")
+        params["weights"] = tuple(1.0 if w is None else w for w in weights)
+    options = doc.get("options") or {}
+    if not isinstance(options, dict):
+        bad("options must be a mapping")
+        options = {}
+    for key in sorted(set(options) - OPTIONS):
+        bad(f"unsupported option {key!r}", hint=f"supported options: {', '.join(sorted(OPTIONS))}")
+    dtype = doc.get("dtype")
+    raise_all(problems)
+    return Recipe(str(method), str(base), agents, params, None if dtype is None else str(dtype), dict(options),
+                  raw=doc)
