@@ -236,19 +236,33 @@ class Checkpoint:
         return self._read_bytes(info, start, stop)
 
     def _read_bytes(self, info: TensorInfo, start: int, stop: int) -> memoryview:
-        size = info.dtype.itemsize
-        nbytes = (stop - start) * size
+        nbytes = (stop - start) * info.dtype.itemsize
         if len(self._scratch) < nbytes:
             self._scratch = bytearray(nbytes)
-        view = memoryview(self._scratch)[:nbytes]
-        fh = self._handles.get(info.file)
-        if fh is None:
-            fh = self._handles[info.file] = open(info.file, "rb", buffering=0)  # noqa: SIM115 closed in close()
-        got = os.preadv(fh.fileno(), [view], info.offset + start * size)
+        return self.read_into(info.name, start, stop, memoryview(self._scratch)[:nbytes])
+
+    def read_into(self, name: str, start: int, stop: int, buf: memoryview) -> memoryview:
+        """Stored bytes of flat elements [start, stop) of ``name`` (safetensors only) into ``buf``.
+
+        One ``preadv`` straight from the page cache into the caller's buffer: no mmap pages piling up in
+        the resident set, and the GIL is released, so a reader thread overlaps it with computation.
+        """
+        info = self.tensors[name]
+        size = info.dtype.itemsize
+        nbytes = (stop - start) * size
+        view = buf[:nbytes]
+        got = os.preadv(self.handle(info.file).fileno(), [view], info.offset + start * size)
         if got != nbytes:
             raise InputError(f"short read: wanted {nbytes} bytes, got {got}", file=str(info.file),
                              tensor=info.name, hint="the file changed or was truncated while merging")
         return view
+
+    def handle(self, file: Path) -> Any:
+        """The open file behind ``file``; open every file once from one thread before reading from several."""
+        fh = self._handles.get(file)
+        if fh is None:
+            fh = self._handles[file] = open(file, "rb", buffering=0)  # noqa: SIM115 closed in close()
+        return fh
 
     def close(self) -> None:
         for fh in self._handles.values():

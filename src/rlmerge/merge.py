@@ -15,6 +15,16 @@ import torch
 from .blocks import DEFAULT_BLOCK, BlockReader
 from .checkpoint import SIDE_FILES, Checkpoint, open_all
 from .errors import ConfigError
+from .fastpath import (
+    FUSED,
+    FastPath,
+    OrderedWriter,
+    eligible,
+    enabled,
+    kernel_args,
+    merge_job_fast,
+    statistics_pass_fast,
+)
 from .methods import BlockContext, MethodSpec, get_method
 from .plan import Plan, build_plan
 from .progress import Progress
@@ -87,9 +97,28 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, out: Path, *, shard_bytes: int, b
     stats = Statistics([a.label for a in plan.agents], spec.epsilon(p))
     reader = BlockReader(plan, block_size=block_size, device=device)
     two_pass = spec.needs_stats(p)
+    fast = _fast_path(plan, spec, block_size, device)
+    try:
+        return _passes(plan, spec, p, out, stats, reader, fast, two_pass, shard_bytes=shard_bytes, force=force,
+                       seed=seed, quiet=quiet, recipe=recipe)
+    finally:
+        if fast is not None:
+            fast.close()
+
+
+def _fast_path(plan: Plan, spec: MethodSpec, block_size: int, device: str) -> FastPath | None:
+    """The fused-kernel path (fastpath.py) when numba is installed and the method has a fused kernel."""
+    if not enabled(device) or spec.name not in FUSED:
+        return None
+    return FastPath(plan, block_size) if any(eligible(plan, j) for j in plan.jobs) else None
+
+
+def _passes(plan: Plan, spec: MethodSpec, p: Any, out: Path, stats: Statistics, reader: BlockReader,
+            fast: FastPath | None, two_pass: bool, *, shard_bytes: int, force: bool, seed: int, quiet: bool,
+            recipe: Mapping[str, Any] | None) -> MergeResult:
     with Progress(quiet=quiet) as progress:
         if two_pass:
-            statistics_pass(plan, reader, stats, progress)
+            statistics_pass(plan, reader, stats, progress, fast=fast)
         prepared = spec.prepare(p, stats if two_pass else None, len(plan.agents))
         warnings = [*plan.warnings, *getattr(prepared, "warnings", ())]
         result = MergeResult(out, spec.name, p, stats, warnings=warnings, read_bytes=plan.read_bytes,
@@ -99,7 +128,8 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, out: Path, *, shard_bytes: int, b
         writer = CheckpointWriter(out, plan.jobs, shard_size=shard_bytes, force=force,
                                   metadata={"rlmerge_method": spec.name})
         with writer:
-            merge_pass(plan, reader, spec, p, prepared, stats, writer, progress, collect=not two_pass, seed=seed)
+            merge_pass(plan, reader, spec, p, prepared, stats, writer, progress, collect=not two_pass, seed=seed,
+                       fast=fast)
             if not two_pass:
                 result.warnings += _identical_agents(stats)
             _side_files(plan.base, writer, plan)
@@ -128,9 +158,13 @@ def _agent_files(plan: Plan, name: str) -> list[str]:
     return [str(a.tensors[name].file) if name in a.tensors else str(a.path) for a in plan.agents]
 
 
-def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress: Progress) -> None:
+def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress: Progress, *,
+                    fast: FastPath | None = None) -> None:
     jobs = plan.merge_jobs
     with progress.task("statistics", total=sum(j.info.nbytes for j in jobs), tensors=len(jobs)) as bar:
+        if fast is not None:  # fused kernel for the eligible jobs, the torch path for the rest
+            statistics_pass_fast(fast, [j for j in jobs if eligible(plan, j)], stats, bar)
+            jobs = [j for j in jobs if not eligible(plan, j)]
         for job in jobs:
             files = _agent_files(plan, job.name)
             for blk in reader.blocks(job):
@@ -140,14 +174,27 @@ def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress
 
 
 def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepared: Any, stats: Statistics,
-               writer: CheckpointWriter, progress: Progress, *, collect: bool, seed: int) -> None:
+               writer: CheckpointWriter, progress: Progress, *, collect: bool, seed: int,
+               fast: FastPath | None = None) -> None:
+    fast_jobs = [j for j in plan.jobs if eligible(plan, j)] if fast is not None else []
+    fast_names = {j.name for j in fast_jobs}
+    fast_blocks = fast.blocks(fast_jobs) if fast is not None else iter(())
+    out = OrderedWriter(writer, fast)  # fast path: writes queued on a writer thread, in plan order
     with progress.task("merge", total=plan.write_bytes, tensors=len(plan.jobs)) as bar:
         for job in plan.jobs:
-            writer.begin(job)
+            out.begin(job)
             if job.kind == "copy":
                 for start, stop in _spans(job.numel, reader.block_size):
-                    writer.write(plan.base.read_raw(job.name, start, stop))
+                    out.write_now(plan.base.read_raw(job.name, start, stop))
                     bar.advance((stop - start) * job.out_dtype.itemsize)
+                bar.tensor_done()
+                continue
+            if fast is not None and job.name in fast_names:
+                ts = stats.tensors.get(job.name)
+                args = kernel_args(spec, p, prepared, ts, len(plan.agents), stats.epsilon)
+                assert args is not None  # fast is only built for methods with a fused kernel
+                merge_job_fast(fast, fast_blocks, job, args,
+                               stats.for_tensor(job.name, job.numel, job.weight) if collect else None, out, bar)
                 bar.tensor_done()
                 continue
             files = _agent_files(plan, job.name)
@@ -159,9 +206,10 @@ def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepar
                 ctx = BlockContext(job.name, blk.start, blk.stop, job.info.shape, job.present, prepared,
                                    stats.tensors.get(job.name), seed)
                 merged = spec.merge(blk.base, blk.deltas, p, ctx)
-                writer.write(merged.to(job.out_dtype).cpu())
+                out.write_now(merged.to(job.out_dtype).cpu())
                 bar.advance(blk.n * job.out_dtype.itemsize)
             bar.tensor_done()
+        out.drain()
 
 
 def _spans(numel: int, size: int) -> Iterator[tuple[int, int]]:

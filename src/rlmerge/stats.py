@@ -8,6 +8,7 @@ shared_t = Σ_{k≥2} kofn[t, k]. Everything is kept per tensor, and summed over
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -59,6 +60,21 @@ class TensorStats:
                     self.sign_agree[a, b] += agree
                     self.sign_agree[b, a] += agree
 
+    def add_patterns(self, hist: np.ndarray, gram: np.ndarray) -> None:
+        """Add one block summarised by the fused kernel (kernels.py).
+
+        hist [4^N] int64 counts elements per pattern code (bit t: agent t changed it; bit N+t: the change
+        is negative); gram [N, N] float64 holds Σ τ_a τ_b in its upper triangle (a ≤ b).
+        """
+        n = self.n_agents
+        kofn, both, agree = _pattern_tables(n)
+        self.kofn += (kofn @ hist).reshape(n, n + 1)
+        self.overlap += (both @ hist).reshape(n, n)
+        self.sign_agree += (agree @ hist).reshape(n, n)
+        full = np.triu(gram) + np.triu(gram, 1).T
+        self.dots += full
+        self.sumsq += np.diag(full)
+
     @property
     def changed(self) -> np.ndarray:
         return self.kofn.sum(axis=1)
@@ -70,6 +86,22 @@ class TensorStats:
     @property
     def shared(self) -> np.ndarray:
         return self.kofn[:, 2:].sum(axis=1)
+
+
+@functools.cache
+def _pattern_tables(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Integer matrices from the 4^N pattern-code histogram to kofn [N·(N+1)], overlap and sign_agree [N·N]."""
+    codes = np.arange(4**n)
+    active = (codes[:, None] >> np.arange(n)) & 1  # [4^N, N]
+    neg = (codes[:, None] >> (n + np.arange(n))) & 1
+    kofn = np.zeros((n, n + 1, 4**n), dtype=np.int64)
+    for t in range(n):
+        kofn[t, active.sum(1), codes] = active[:, t]
+    both = active[:, :, None] * active[:, None, :]  # [4^N, N, N]
+    agree = both * (neg[:, :, None] == neg[:, None, :])
+    off = ~np.eye(n, dtype=bool)  # the torch path leaves the diagonal at 0
+    both, agree = both * off, agree * off
+    return kofn.reshape(n * (n + 1), -1), both.reshape(4**n, -1).T.copy(), agree.reshape(4**n, -1).T.copy()
 
 
 def check_finite(deltas: torch.Tensor, sumsq_block: torch.Tensor, *, name: str, files: list[str],

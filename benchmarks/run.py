@@ -1,0 +1,210 @@
+"""One command: make the synthetic set, measure the I/O floor, run rlmerge and mergekit on it, print a table.
+
+    python benchmarks/run.py --size 0.5b                       # every method, mergekit where installed
+    python benchmarks/run.py --size 1.5b --methods ram,ram+ --no-mergekit
+    python benchmarks/run.py --size 7b --layers 4 --no-mergekit  # the 7B shape, trimmed to fit the disk
+
+Each merge runs as a child process; its peak RSS comes from ``wait4``. ``wall`` is the child's whole life
+(interpreter start and imports included) and is what × mergekit compares; ``merge s`` is the time inside
+``rlmerge.merge`` and is what × floor compares, the floor being one read of every input byte from the page
+cache plus one write of the output's bytes, measured in the same run on the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dataset import SIZES, make_set  # noqa: E402  (benchmarks/ is not a package)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Case:
+    """A row: rlmerge's method and parameters, and mergekit's equivalent (None: no counterpart)."""
+
+    rlmerge: str
+    params: dict
+    mergekit: str | None
+    mk_params: dict
+    mk_model_params: dict
+
+
+CASES: dict[str, Case] = {
+    "ram": Case("ram", {}, "ram", {"epsilon": 1e-5}, {}),
+    "ram+": Case("ram+", {"preset": "paper"}, "ramplus_tl", {"r": 0.1, "alpha": 0.2, "epsilon": 1e-5}, {}),
+    "ram+tl": Case("ram+", {"preset": "tensor-local"}, "ramplus_tl", {"r": 0.1, "alpha": 0.2, "epsilon": 1e-5}, {}),
+    "task_arithmetic": Case("task_arithmetic", {}, "task_arithmetic", {"normalize": False, "lambda": 1.0},
+                            {"weight": 1.0}),
+    "linear": Case("linear", {}, "linear", {"normalize": True}, {"weight": 1.0}),
+    "ties": Case("ties", {"density": 0.5}, "ties", {"normalize": False, "lambda": 1.0},
+                 {"weight": 1.0, "density": 0.5}),
+}
+
+
+def run_child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS in GB, stdout) of one child process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    out, err = proc.stdout.read(), proc.stderr.read()  # type: ignore[union-attr]
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:3])} … failed ({proc.returncode}):\n{err[-3000:]}")
+    return wall, usage.ru_maxrss / 2**20, out
+
+
+def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, float]:
+    """Seconds to read every input byte once (page cache warmed first) and to write out_bytes once."""
+    buf = np.empty(64 << 20, dtype=np.uint8)
+    view = memoryview(buf)
+
+    def read_all() -> float:
+        t0 = time.perf_counter()
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            off = 0
+            while (got := os.preadv(fd, [view], off)) > 0:
+                off += got
+            os.close(fd)
+        return time.perf_counter() - t0
+
+    read_all()  # warm the page cache, as every merge after the first finds it
+    read = read_all()
+    t0 = time.perf_counter()
+    with open(scratch, "wb") as fh:
+        left = out_bytes
+        while left > 0:
+            left -= fh.write(view[: min(left, len(view))])
+    write = time.perf_counter() - t0
+    scratch.unlink()
+    return read, write
+
+
+def mergekit_config(case: Case, base: Path, agents: list[Path]) -> str:
+    import yaml
+
+    models = [{"model": str(a), **({"parameters": case.mk_model_params} if case.mk_model_params else {})}
+              for a in agents]
+    cfg = {"merge_method": case.mergekit, "base_model": str(base), "models": models,
+           "parameters": case.mk_params, "dtype": "bfloat16", "out_dtype": "bfloat16"}
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def max_abs_diff(a: Path, b: Path) -> float:
+    """Largest |a − b| over every tensor of two single-folder checkpoints, read a slice at a time."""
+    def files(folder: Path) -> dict[str, Path]:
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            wmap = json.loads(index.read_text())["weight_map"]
+            return {k: folder / v for k, v in wmap.items()}
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            return {k: folder / "model.safetensors" for k in f.keys()}  # noqa: SIM118 safe_open has no __iter__
+
+    fa, fb = files(a), files(b)
+    worst = 0.0
+    for name, path in fa.items():
+        if name not in fb:
+            continue
+        with safe_open(path, "pt") as x, safe_open(fb[name], "pt") as y:
+            sx, sy = x.get_slice(name), y.get_slice(name)
+            rows = sx.get_shape()[0] if sx.get_shape() else 1
+            step = max(1, (1 << 22) // max(1, math.prod(sx.get_shape()[1:])))
+            for r in range(0, rows, step):
+                ta = sx[r:r + step].float() if sx.get_shape() else x.get_tensor(name).float()
+                tb = sy[r:r + step].float() if sy.get_shape() else y.get_tensor(name).float()
+                worst = max(worst, float((ta - tb).abs().max()))
+    return worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="0.5b")
+    ap.add_argument("--layers", type=int, default=None, help="trim the shape to this many layers")
+    ap.add_argument("--methods", default="ram,ram+,ram+tl,task_arithmetic,linear,ties")
+    ap.add_argument("--workdir", type=Path, default=ROOT / "bench-data")
+    ap.add_argument("--mergekit", type=Path, default=ROOT / ".venv-mergekit", help="mergekit venv")
+    ap.add_argument("--no-mergekit", action="store_true")
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args()
+
+    from rlmerge.methods import REGISTRY
+
+    tag = args.size + (f"-{args.layers}l" if args.layers else "")
+    t0 = time.perf_counter()
+    base, agents = make_set(args.workdir / tag, args.size, layers=args.layers)
+    print(f"set {tag}: {base.parent} ({time.perf_counter() - t0:.0f} s to make or find)", flush=True)
+    inputs = [m / "model.safetensors" for m in (base, *agents)]
+    in_bytes, out_bytes = sum(f.stat().st_size for f in inputs), inputs[0].stat().st_size
+    read_s, write_s = floor(inputs, out_bytes, args.workdir / "floor.tmp")
+    floor_s = read_s + write_s
+    print(f"floor: read {in_bytes / 1e9:.2f} GB in {read_s:.2f} s + write {out_bytes / 1e9:.2f} GB in "
+          f"{write_s:.2f} s = {floor_s:.2f} s", flush=True)
+    mk_bin = args.mergekit / "bin" / "mergekit-yaml"
+    use_mk = not args.no_mergekit and mk_bin.is_file()
+    rows = []
+    for key in args.methods.split(","):
+        case = CASES[key]
+        if case.rlmerge not in REGISTRY:
+            print(f"skip {key}: rlmerge has no method {case.rlmerge!r} yet", flush=True)
+            continue
+        rows.append(bench_case(key, case, base, agents, args, floor_s, mk_bin if use_mk else None))
+    print_table(rows, floor_s, tag)
+    if args.json:
+        args.json.write_text(json.dumps({"set": tag, "floor_s": floor_s, "read_s": read_s, "write_s": write_s,
+                                         "rows": rows}, indent=2))
+
+
+def bench_case(key: str, case: Case, base: Path, agents: list[Path], args: argparse.Namespace, floor_s: float,
+               mk_bin: Path | None) -> dict:
+    work = args.workdir
+    ours, theirs = work / f"out-{key}", work / f"mk-{key}"
+    for d in (ours, theirs):
+        shutil.rmtree(d, ignore_errors=True)
+    job = {"base": str(base), "agents": [str(a) for a in agents], "out": str(ours), "method": case.rlmerge,
+           "params": case.params, "block_size": args.block_size}
+    wall, rss, out = run_child([sys.executable, str(Path(__file__).parent / "_child.py"), json.dumps(job)])
+    merge_s = json.loads(out.strip().splitlines()[-1])["seconds"]
+    row = {"method": key, "wall_s": wall, "merge_s": merge_s, "rss_gb": rss, "x_floor": merge_s / floor_s}
+    print(f"rlmerge {key}: wall {wall:.1f} s, merge {merge_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
+    if mk_bin is not None and case.mergekit is not None:
+        cfg = work / f"mk-{key}.yml"
+        cfg.write_text(mergekit_config(case, base, agents))
+        mk_wall, mk_rss, _ = run_child([str(mk_bin), str(cfg), str(theirs), "--no-copy-tokenizer",
+                                        "--no-write-model-card", "--quiet"])
+        row.update({"mk_method": case.mergekit, "mk_wall_s": mk_wall, "mk_rss_gb": mk_rss,
+                    "x_mergekit": mk_wall / wall, "max_abs_diff": max_abs_diff(ours, theirs)})
+        print(f"mergekit {case.mergekit}: wall {mk_wall:.1f} s, peak RSS {mk_rss:.2f} GB", flush=True)
+    for d in (ours, theirs):
+        shutil.rmtree(d, ignore_errors=True)
+    return row
+
+
+def print_table(rows: list[dict], floor_s: float, tag: str) -> None:
+    print(f"\n| method ({tag}) | wall s | merge s | peak RSS GB | × floor ({floor_s:.2f} s) | mergekit | "
+          "mergekit wall s | mergekit RSS GB | × faster than mergekit | max |diff| vs mergekit |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        mk = (f"{r['mk_method']} | {r['mk_wall_s']:.1f} | {r['mk_rss_gb']:.2f} | {r['x_mergekit']:.1f}× | "
+              f"{r['max_abs_diff']:.3g}") if "mk_wall_s" in r else "— | — | — | — | —"
+        print(f"| {r['method']} | {r['wall_s']:.1f} | {r['merge_s']:.1f} | {r['rss_gb']:.2f} | "
+              f"{r['x_floor']:.1f}× | {mk} |")
+
+
+if __name__ == "__main__":
+    main()
