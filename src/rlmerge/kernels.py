@@ -21,7 +21,7 @@ import numpy as np
 
 try:  # optional dependency: the fast path
     from llvmlite import ir
-    from numba import njit, prange, types
+    from numba import njit, types
     from numba.extending import intrinsic, overload
 
     HAVE_NUMBA = True

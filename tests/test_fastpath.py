@@ -1,0 +1,177 @@
+"""The fused fast path (kernels.py, fastpath.py) writes the same bytes as the torch path, on every method it
+serves, both output dtypes, odd block sizes and hand-picked edge values; its statistics are the same counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import rlmerge
+from conftest import TINY, load_output
+from rlmerge import fastpath, kernels
+from rlmerge.errors import InputError
+from rlmerge.stats import TensorStats
+from rlmerge.synthetic import config, make_example
+
+pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed: no fast path to test")
+
+CASES = [
+    ("ram", {}, None, None),
+    ("ram+", {"preset": "paper"}, None, 777),  # a block size that splits tiles and threads unevenly
+    ("ram+", {"preset": "tensor-local"}, "float32", None),
+    ("ram+", {"preset": "official"}, None, 4096),
+    ("task_arithmetic", {"scaling": 0.3, "weights": [0.5, 1.2, 0.7], "normalize": True}, None, 1000),
+    ("task_arithmetic", {}, "float32", None),
+    ("linear", {"weights": [0.5, 1.2, 0.7]}, None, None),
+]
+
+
+def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.MonkeyPatch, method: str,
+                params: dict, dtype: str | None, block: int | None) -> tuple[Path, Path, int]:
+    calls = []
+    real = kernels.fused_range
+
+    def spy(*args: object) -> bool:
+        calls.append(1)
+        return real(*args)
+
+    kw = {"block_size": block} if block else {}
+    monkeypatch.setenv("RLMERGE_FAST", "0")
+    rlmerge.merge(base, agents, tmp / "torch", method=method, params=params, dtype=dtype, **kw)
+    monkeypatch.setenv("RLMERGE_FAST", "1")
+    monkeypatch.setattr(kernels, "fused_range", spy)
+    rlmerge.merge(base, agents, tmp / "fast", method=method, params=params, dtype=dtype, **kw)
+    return tmp / "torch", tmp / "fast", len(calls)
+
+
+def _same_bytes(a: Path, b: Path) -> None:
+    files = sorted(p.name for p in a.glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in b.glob("*.safetensors"))
+    for f in files:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+@pytest.mark.parametrize(("method", "params", "dtype", "block"), CASES)
+def test_fast_path_writes_the_torch_paths_bytes(example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str,
+                                                params: dict, dtype: str | None, block: int | None) -> None:
+    base, agents = example
+    slow, fast, calls = _merge_both(base, agents, tmp_path, monkeypatch, method, params, dtype, block)
+    assert calls > 0, "the fast path did not run"
+    _same_bytes(slow, fast)
+    assert json.loads((slow / "rlmerge.json").read_text()).get("lambdas") == \
+        json.loads((fast / "rlmerge.json").read_text()).get("lambdas")
+
+
+def _edge_models(root: Path, dtype: torch.dtype) -> tuple[Path, list[Path]]:
+    """Hand-picked values: ±0 bases, τ exactly at and one ulp around ε, cancelling agents, ties when rounding
+    the mean to bf16, subnormals and large magnitudes; plus random filler so every stage runs in tiles."""
+    eps = np.float32(1e-5)
+    up, down = np.nextafter(eps, np.float32(1)), np.nextafter(eps, np.float32(0))
+    b = np.array([0.0, -0.0, -0.0, 1.0, 1.0, 1.0, 0.5, -2.0, 1e-40, 3e30, 1.0, 0.25], dtype=np.float32)
+    t1 = np.array([0.0, 0.0, 1e-3, eps, up, down, 0.25, 1e-3, 1e-39, 1e29, 2**-8, -0.25], dtype=np.float32)
+    t2 = np.array([0.0, -0.0, -1e-3, -eps, -up, up, 0.25, 3e-3, 0.0, -1e29, 2**-7, 0.25], dtype=np.float32)
+    t3 = np.array([0.0, 0.0, 0.0, 0.0, up, -down, 2**-9, 0.0, 0.0, 0.0, 2**-7 + 2**-8, 0.0], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    filler = rng.normal(0, 0.02, (4, 3000)).astype(np.float32)
+    filler[1:] *= rng.random((3, 3000)) < 0.5
+    vecs = [np.concatenate([x, filler[i]]) for i, x in enumerate((b, t1, t2, t3))]
+    models = [vecs[0], *(vecs[0] + v for v in vecs[1:])]
+    shape = TINY
+    paths = []
+    for i, m in enumerate(models):
+        d = root / f"m{i}"
+        d.mkdir(parents=True)
+        save_file({"model.embed_tokens.weight": torch.from_numpy(m).reshape(-1, 4).to(dtype).contiguous()},
+                  str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(config(shape, dtype)))
+        paths.append(d)
+    return paths[0], paths[1:]
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("method", "params"), [("ram", {}), ("ram+", {"preset": "official"}),
+                                                ("task_arithmetic", {"scaling": 0.7}), ("linear", {})])
+def test_edge_values_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored: torch.dtype,
+                                method: str, params: dict) -> None:
+    base, agents = _edge_models(tmp_path / "in", stored)
+    for out_dtype in ("bfloat16", "float32"):
+        slow, fast, calls = _merge_both(base, agents, tmp_path / out_dtype, monkeypatch, method, params,
+                                           out_dtype, 1000)
+        assert calls > 0
+        _same_bytes(slow, fast)
+
+
+def test_statistics_pass_same_counts(example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base, agents = example
+    monkeypatch.setenv("RLMERGE_FAST", "0")
+    slow = rlmerge.merge(base, agents, tmp_path / "a", method="ram+").statistics
+    monkeypatch.setenv("RLMERGE_FAST", "1")
+    fast = rlmerge.merge(base, agents, tmp_path / "b", method="ram+", block_size=999).statistics
+    assert slow.tensors.keys() == fast.tensors.keys()
+    for name, s in slow.tensors.items():
+        f = fast.tensors[name]
+        for attr in ("kofn", "overlap", "sign_agree"):
+            np.testing.assert_array_equal(getattr(s, attr), getattr(f, attr), err_msg=f"{name}.{attr}")
+        np.testing.assert_allclose(f.dots, s.dots, rtol=1e-9, atol=1e-30)  # float64 sums, another order
+    assert slow.rho == fast.rho
+
+
+@pytest.mark.parametrize("n_agents", [1, 2, 4])
+def test_pattern_histogram_equals_pairwise_counters(n_agents: int) -> None:
+    """add_patterns (one 4^N histogram) gives exactly update's kofn, overlaps and sign agreements."""
+    g = torch.Generator().manual_seed(n_agents)
+    deltas = torch.randn(n_agents, 5000, generator=g) * (torch.rand(n_agents, 5000, generator=g) < 0.5)
+    mask = deltas.abs() > 1e-5
+    ref = TensorStats(5000, n_agents)
+    ref.update(deltas, mask, mask.sum(0))
+    code = (mask.long() << torch.arange(n_agents)[:, None]).sum(0)
+    code += ((mask & (deltas < 0)).long() << (n_agents + torch.arange(n_agents))[:, None]).sum(0)
+    hist = torch.bincount(code, minlength=4**n_agents).numpy()
+    gram = (deltas.double() @ deltas.double().T).numpy()
+    got = TensorStats(5000, n_agents)
+    got.add_patterns(hist, np.triu(gram))
+    for attr in ("kofn", "overlap", "sign_agree"):
+        np.testing.assert_array_equal(getattr(got, attr), getattr(ref, attr), err_msg=attr)
+    np.testing.assert_allclose(got.dots, ref.dots, rtol=1e-12)
+
+
+def test_non_finite_delta_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base, agents = make_example(tmp_path / "in", shape=TINY)
+    name = "model.layers.0.mlp.up_proj.weight"
+    from safetensors.torch import load_file
+
+    bad = load_file(str(agents[1] / "model.safetensors"))
+    bad[name] = bad[name].clone()
+    bad[name].view(-1)[77] = float("inf")
+    save_file(bad, str(agents[1] / "model.safetensors"))
+    for flag in ("0", "1"):
+        monkeypatch.setenv("RLMERGE_FAST", flag)
+        for method in ("ram", "ram+"):
+            with pytest.raises(InputError) as e:
+                rlmerge.merge(base, agents, tmp_path / f"out{flag}{method}", method=method)
+            assert name in str(e.value) and "77" in str(e.value) and str(agents[1]) in str(e.value)
+
+
+def test_fast_path_is_optional(example, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without numba (simulated) the torch path runs and gives the same output."""
+    base, agents = example
+    rlmerge.merge(base, agents, tmp_path / "a", method="ram")
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    assert not fastpath.enabled("cpu")
+    rlmerge.merge(base, agents, tmp_path / "b", method="ram")
+    _same_bytes(tmp_path / "a", tmp_path / "b")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_device_same_bytes(example, tmp_path: Path) -> None:
+    base, agents = example
+    for method in ("ram", "ram+", "task_arithmetic"):
+        rlmerge.merge(base, agents, tmp_path / f"cpu-{method}", method=method)
+        rlmerge.merge(base, agents, tmp_path / f"gpu-{method}", method=method, device="cuda")
+        _same_bytes(tmp_path / f"cpu-{method}", tmp_path / f"gpu-{method}")
+        assert load_output(tmp_path / f"gpu-{method}").keys() == load_output(tmp_path / f"cpu-{method}").keys()
