@@ -4,7 +4,7 @@
     python benchmarks/run.py --size 1.5b --methods ram,ram+ --no-mergekit
     python benchmarks/run.py --size 7b --layers 4 --no-mergekit  # the 7B shape, trimmed to fit the disk
 
-Each merge runs as a child process; its peak RSS comes from ``wait4``. ``wall`` is the child's whole life
+Each merge runs as a child process; its peak RSS comes from GNU time (``%M``). ``wall`` is the child's whole life
 (interpreter start and imports included) and is what × mergekit compares; ``merge s`` is the time inside
 ``rlmerge.merge`` and is what × floor compares, the floor being one read of every input byte from the page
 cache plus one write of the output's bytes, measured in the same run on the same files.
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dataset import SIZES, make_set  # noqa: E402  (benchmarks/ is not a package)
 
 ROOT = Path(__file__).resolve().parent.parent
+TIME = "/usr/bin/time"  # GNU time: peak RSS of exactly one child (apt-get install time)
 
 
 @dataclass(frozen=True)
@@ -55,17 +56,19 @@ CASES: dict[str, Case] = {
 }
 
 
-def run_child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS in GB, stdout) of one child process."""
+def run_child(cmd: list[str]) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS in GB, stdout) of one child process.
+
+    Peak RSS comes from /usr/bin/time: Linux's ru_maxrss of a child forked from this (large) process
+    would start at this process's own RSS, as the high-water mark survives the exec.
+    """
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run([TIME, "-f", "RLBENCH_MAXRSS_KB=%M", *cmd], capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    out, err = proc.stdout.read(), proc.stderr.read()  # type: ignore[union-attr]
-    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:3])} … failed ({proc.returncode}):\n{err[-3000:]}")
-    return wall, usage.ru_maxrss / 2**20, out
+        raise RuntimeError(f"{' '.join(cmd[:3])} … failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    kb = [ln for ln in proc.stderr.splitlines() if ln.startswith("RLBENCH_MAXRSS_KB=")][-1]
+    return wall, int(kb.split("=")[1]) / 2**20, proc.stdout
 
 
 def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, float]:
@@ -102,6 +105,8 @@ def mergekit_config(case: Case, base: Path, agents: list[Path]) -> str:
               for a in agents]
     cfg = {"merge_method": case.mergekit, "base_model": str(base), "models": models,
            "parameters": case.mk_params, "dtype": "bfloat16", "out_dtype": "bfloat16"}
+    if case.mergekit == "linear":  # mergekit's linear averages every model it is given, the base included
+        del cfg["base_model"]
     return yaml.safe_dump(cfg, sort_keys=False)
 
 
@@ -157,13 +162,13 @@ def main() -> None:
           f"{write_s:.2f} s = {floor_s:.2f} s", flush=True)
     mk_bin = args.mergekit / "bin" / "mergekit-yaml"
     use_mk = not args.no_mergekit and mk_bin.is_file()
-    rows = []
-    for key in args.methods.split(","):
-        case = CASES[key]
-        if case.rlmerge not in REGISTRY:
-            print(f"skip {key}: rlmerge has no method {case.rlmerge!r} yet", flush=True)
-            continue
-        rows.append(bench_case(key, case, base, agents, args, floor_s, mk_bin if use_mk else None))
+    keys = [k for k in args.methods.split(",") if CASES[k].rlmerge in REGISTRY]
+    for k in sorted(set(args.methods.split(",")) - set(keys)):
+        print(f"skip {k}: rlmerge has no method {CASES[k].rlmerge!r} yet", flush=True)
+    warm_up([CASES[k] for k in keys], args.workdir)
+    rows = [bench_case(k, CASES[k], base, agents, args, floor_s, mk_bin if use_mk else None) for k in keys]
+    for theirs, _, _ in MK_DONE.values():
+        shutil.rmtree(theirs, ignore_errors=True)
     print_table(rows, floor_s, tag)
     if args.json:
         args.json.write_text(json.dumps({"set": tag, "floor_s": floor_s, "read_s": read_s, "write_s": write_s,
@@ -173,9 +178,8 @@ def main() -> None:
 def bench_case(key: str, case: Case, base: Path, agents: list[Path], args: argparse.Namespace, floor_s: float,
                mk_bin: Path | None) -> dict:
     work = args.workdir
-    ours, theirs = work / f"out-{key}", work / f"mk-{key}"
-    for d in (ours, theirs):
-        shutil.rmtree(d, ignore_errors=True)
+    ours = work / f"out-{key}"
+    shutil.rmtree(ours, ignore_errors=True)
     job = {"base": str(base), "agents": [str(a) for a in agents], "out": str(ours), "method": case.rlmerge,
            "params": case.params, "block_size": args.block_size}
     wall, rss, out = run_child([sys.executable, str(Path(__file__).parent / "_child.py"), json.dumps(job)])
@@ -183,16 +187,38 @@ def bench_case(key: str, case: Case, base: Path, agents: list[Path], args: argpa
     row = {"method": key, "wall_s": wall, "merge_s": merge_s, "rss_gb": rss, "x_floor": merge_s / floor_s}
     print(f"rlmerge {key}: wall {wall:.1f} s, merge {merge_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
     if mk_bin is not None and case.mergekit is not None:
-        cfg = work / f"mk-{key}.yml"
-        cfg.write_text(mergekit_config(case, base, agents))
-        mk_wall, mk_rss, _ = run_child([str(mk_bin), str(cfg), str(theirs), "--no-copy-tokenizer",
-                                        "--no-write-model-card", "--quiet"])
+        text = mergekit_config(case, base, agents)
+        if text not in MK_DONE:  # one mergekit run per distinct config (ram+ and ram+tl share ramplus_tl)
+            theirs = work / f"mk-{len(MK_DONE)}"
+            shutil.rmtree(theirs, ignore_errors=True)
+            cfg = work / f"mk-{len(MK_DONE)}.yml"
+            cfg.write_text(text)
+            mk_wall, mk_rss, _ = run_child([str(mk_bin), str(cfg), str(theirs), "--no-copy-tokenizer",
+                                            "--no-write-model-card", "--quiet"])
+            MK_DONE[text] = (theirs, mk_wall, mk_rss)
+            print(f"mergekit {case.mergekit}: wall {mk_wall:.1f} s, peak RSS {mk_rss:.2f} GB", flush=True)
+        theirs, mk_wall, mk_rss = MK_DONE[text]
         row.update({"mk_method": case.mergekit, "mk_wall_s": mk_wall, "mk_rss_gb": mk_rss,
                     "x_mergekit": mk_wall / wall, "max_abs_diff": max_abs_diff(ours, theirs)})
-        print(f"mergekit {case.mergekit}: wall {mk_wall:.1f} s, peak RSS {mk_rss:.2f} GB", flush=True)
-    for d in (ours, theirs):
-        shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(ours, ignore_errors=True)
     return row
+
+
+MK_DONE: dict[str, tuple[Path, float, float]] = {}  # mergekit config → (output, wall s, peak RSS GB)
+
+
+def warm_up(methods: list[Case], work: Path) -> None:
+    """One tiny merge per method, so that no timed run pays numba's one-off compile (cached on disk)."""
+    from rlmerge.synthetic import Shape, make_example
+
+    base, agents = make_example(work / "warm-in", shape=Shape())
+    for i, case in enumerate(methods):
+        job = {"base": str(base), "agents": [str(a) for a in agents], "out": str(work / f"warm-out{i}"),
+               "method": case.rlmerge, "params": case.params, "block_size": None}
+        run_child([sys.executable, str(Path(__file__).parent / "_child.py"), json.dumps(job)])
+    shutil.rmtree(work / "warm-in")
+    for i in range(len(methods)):
+        shutil.rmtree(work / f"warm-out{i}", ignore_errors=True)
 
 
 def print_table(rows: list[dict], floor_s: float, tag: str) -> None:

@@ -166,6 +166,7 @@ if HAVE_NUMBA:
         bad = False
         for start in range(lo, hi, TILE):
             m = min(TILE, hi - start)
-            bad |= _tile(base, agents, start, m, eps, mode, lam, use_lam, w, normalize, div, scaling, out,
-                         collect, hist, gram, tau, b32, cnt, code, total, uniq)
+            # unsigned offsets: indexing then needs no negative-index wraparound, and the loops vectorise
+            bad |= _tile(base, agents, np.uint64(start), np.uint64(m), eps, mode, lam, use_lam, w, normalize, div,
+                         scaling, out, collect, hist, gram, tau, b32, cnt, code, total, uniq)
         return bad
