@@ -85,6 +85,7 @@ class PartialDir:
         self.resumed = 0  # shards carried over from an interrupted run
         self._fingerprint = ""
         self._lock_fd: int | None = None
+        self._unverified = False  # a resumable partial output we have not yet checked: never delete it
 
     # -- claiming --------------------------------------------------------------------------------------
     def __enter__(self) -> PartialDir:
@@ -106,6 +107,7 @@ class PartialDir:
                               hint="run the same command with --resume to continue it, or --force to start over")
         if not self.resume:
             self._clear()
+        self._unverified = old is not None and self.resume
         return self
 
     def _lock(self) -> None:
@@ -165,6 +167,7 @@ class PartialDir:
                 if file_sha256(path) != rec.get("sha256"):
                     break
                 self.shards.append(rec)
+        self._unverified = False
         self.resumed = len(self.shards)
         self._write_progress()
         return self.resumed
@@ -207,6 +210,9 @@ class PartialDir:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
+            self._unlock()
+            return
+        if self._unverified:  # e.g. resumed with other settings: the earlier run's work stays as it was
             self._unlock()
             return
         keep = bool(self.shards) and issubclass(exc_type, (KeyboardInterrupt, OutputError)) and self.tmp.exists()

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import typer
 
-from ..errors import RLMergeError
+from ..errors import Interrupted, RLMergeError
 from .console import err
 from .demo import demo_command
 from .merge import merge_command
@@ -17,22 +19,39 @@ from .plan import plan_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Merge RL-trained agents into one model: exact, streaming RAM / RAM+ and baselines.")
-app.command("merge")(merge_command)
+
+
+def _interruptible(command: Callable[..., None]) -> Callable[..., None]:
+    """Turn Ctrl-C / SIGTERM inside a command into ``Interrupted`` (exit 130) carrying what was kept.
+
+    typer would otherwise swallow the KeyboardInterrupt into a bare exit code and lose the message.
+    """
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except KeyboardInterrupt as e:
+            raise Interrupted(f"interrupted: {getattr(e, 'rlmerge_hint', None) or 'nothing was written'}") from e
+
+    return run
+
+
+app.command("merge")(_interruptible(merge_command))
 app.command("plan")(plan_command)
-app.command("demo")(demo_command)
+app.command("demo")(_interruptible(demo_command))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit code (1–4: see rlmerge.errors, 130: interrupted)."""
     previous = _sigterm_as_interrupt()
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)
     except RLMergeError as e:
         err.print(f"[bold red]error:[/] {e.render()}", highlight=False, markup=True)
         return e.exit_code
-    except KeyboardInterrupt as e:
-        kept = getattr(e, "rlmerge_hint", None)
-        err.print(f"[bold red]interrupted[/]: {kept or 'nothing was written'}", highlight=False)
+    except KeyboardInterrupt:  # outside a command (while parsing arguments)
+        err.print("[bold red]interrupted[/]: nothing was written")
         return 130
     except typer.Exit as e:
         return e.exit_code
@@ -48,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 def _interrupt(signum: int, frame: Any) -> None:
