@@ -122,14 +122,23 @@ def dry_run(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
             check_output_location(Path(output), [m for m in models if m is not None])
         except RLMergeError as e:
             problems.append(e)
-    if any(m is None for m in models):
+    if models[0] is None:
         return report
+    opened = [m for m in models[1:] if m is not None]
+    report.memory = estimate_memory(models[0], opened, block_size, n_agents=len(agents))
+    report.available_memory = available_memory() if available is None else available
     try:
-        plan = build_plan(models[0], models[1:], dtype=out_dtype, allow_missing=allow_missing,  # type: ignore[arg-type]
+        check_memory(report.memory, len(agents), report.available_memory)
+    except RLMergeError as e:
+        problems.append(e)
+    # Agents that could not be opened are left out, so the others are still matched against the base.
+    try:
+        plan = build_plan(models[0], opened, dtype=out_dtype, allow_missing=allow_missing,
                           count_tied_twice=count_tied_twice)
     except RLMergeError as e:
-        problems += _flat(e)
+        problems += [x for x in _flat(e) if opened or "no agents given" not in x.message]
         return report
+    # With an agent left out, the figures below are lower bounds.
     report.plan, report.warnings = plan, list(plan.warnings)
     two_pass = spec is not None and spec.needs_stats(p)
     report.passes = ["statistics", "merge"] if two_pass else ["merge"]
@@ -138,10 +147,4 @@ def dry_run(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
     report.read_bytes = plan.read_bytes + (stats_read if two_pass else 0)
     report.write_bytes = plan.write_bytes
     report.shards = len(layout_shards(plan.jobs, shard_bytes))
-    report.memory = estimate_memory(plan, block_size)
-    report.available_memory = available_memory() if available is None else available
-    try:
-        check_memory(plan, block_size, report.available_memory)
-    except RLMergeError as e:
-        problems.append(e)
     return report

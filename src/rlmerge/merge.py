@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .blocks import DEFAULT_BLOCK, BlockReader
-from .budget import check_memory
+from .budget import check_memory, estimate_memory
 from .checkpoint import SIDE_FILES, Checkpoint, open_all
 from .errors import ConfigError, OutputError
 from .methods import BlockContext, MethodSpec, get_method
@@ -81,7 +81,7 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
         check_output_location(out, models)
         plan = build_plan(models[0], models[1:], dtype=out_dtype, allow_missing=allow_missing,
                           count_tied_twice=count_tied_twice)
-        check_memory(plan, block_size)
+        check_memory(estimate_memory(plan.base, plan.agents, block_size), len(plan.agents))
         with PartialDir(out, force=force, resume=resume) as partial:
             result = _run(plan, spec, p, partial, shard_bytes=shard_bytes, block_size=block_size, device=device,
                           seed=seed, quiet=quiet, recipe=recipe)
