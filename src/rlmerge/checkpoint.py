@@ -257,6 +257,8 @@ class Checkpoint:
         info = self.tensors[name]
         n = stop - start
         dst = out[:n]
+        if n == 0:  # torch.frombuffer refuses empty buffers; an empty tensor has nothing to read
+            return dst
         if self.format == "bin":
             dst.copy_(self._bin[info.file][name].reshape(-1)[start:stop])
             return dst
@@ -274,6 +276,8 @@ class Checkpoint:
     def _read_bytes(self, info: TensorInfo, start: int, stop: int) -> memoryview:
         size = info.dtype.itemsize
         nbytes = (stop - start) * size
+        if nbytes == 0:
+            return memoryview(b"")
         if len(self._scratch) < nbytes:
             self._scratch = bytearray(nbytes)
         view = memoryview(self._scratch)[:nbytes]

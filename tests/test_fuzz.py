@@ -1,0 +1,144 @@
+"""Fuzzing the parsers that read untrusted input: any exception that is not an RLMergeError is a bug.
+
+Bounded for CI (a few hundred examples per target, ~20 s in all). For a longer run:
+``HYPOTHESIS_PROFILE=long pytest tests/test_fuzz.py`` (or the atheris harness in benchmarks/fuzz_atheris.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from rlmerge.checkpoint import DTYPES, Checkpoint
+from rlmerge.errors import RLMergeError
+from rlmerge.methods import REGISTRY, get_method
+from rlmerge.plan import build_plan
+from rlmerge.recipe import load_recipe, parse_recipe
+
+settings.register_profile("ci", max_examples=150, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=int(os.environ.get("FUZZ_EXAMPLES", "20000")), deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+WORK = Path(tempfile.mkdtemp(prefix="rlmerge-fuzz-"))
+
+json_leaf = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8)
+json_any = st.recursive(json_leaf, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
+    st.text(max_size=8), kids, max_size=4), max_leaves=12)
+dtype_names = st.sampled_from([*DTYPES, "Q4", ""])
+entry = st.fixed_dictionaries({
+    "dtype": dtype_names | json_leaf,
+    "shape": st.lists(st.integers(-2, 5), max_size=3) | json_any,
+    "data_offsets": st.lists(st.integers(-4, 64), min_size=2, max_size=2) | json_any,
+})
+header = st.dictionaries(st.text(max_size=6), entry | json_any, max_size=4)
+
+
+def _valid_file() -> bytes:
+    path = WORK / "valid.safetensors"
+    if not path.exists():
+        save_file({"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 2, dtype=torch.bfloat16),
+                   "c": torch.tensor([1, 2], dtype=torch.int64)}, str(path))
+    return path.read_bytes()
+
+
+def _open_and_read(data: bytes, extra: dict[str, str] | None = None) -> None:
+    folder = WORK / "m"
+    folder.mkdir(exist_ok=True)
+    for p in folder.iterdir():
+        p.unlink()
+    (folder / "model.safetensors").write_bytes(data)
+    for name, text in (extra or {}).items():
+        (folder / name).write_text(text)
+    try:
+        ckpt = Checkpoint(folder)
+        try:
+            for info in ckpt.tensors.values():  # every byte a header admits is readable
+                ckpt.read_raw(info.name, 0, info.numel)
+                if info.is_float:
+                    ckpt.read_f32(info.name, 0, info.numel, torch.empty(info.numel))
+            build_plan(ckpt, [ckpt])
+        finally:
+            ckpt.close()
+    except RLMergeError:
+        pass
+
+
+@given(header, st.binary(max_size=64))
+def test_fuzz_safetensors_header(h: dict, tail: bytes) -> None:
+    body = json.dumps(h).encode()
+    _open_and_read(struct.pack("<Q", len(body)) + body + tail)
+
+
+@given(st.data())
+def test_fuzz_mutated_safetensors(data: st.DataObject) -> None:
+    raw = bytearray(_valid_file())
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    _open_and_read(bytes(raw[:cut]))
+
+
+@given(st.binary(max_size=300))
+def test_fuzz_raw_bytes(raw: bytes) -> None:
+    _open_and_read(raw)
+
+
+@given(json_any, json_any)
+def test_fuzz_config_and_index(config: object, index: object) -> None:
+    valid = _valid_file()
+    _open_and_read(valid, {"config.json": json.dumps(config)})
+    folder = WORK / "sharded"
+    folder.mkdir(exist_ok=True)
+    (folder / "s.safetensors").write_bytes(valid)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    try:
+        Checkpoint(folder).close()
+    except RLMergeError:
+        pass
+
+
+recipe_doc = st.dictionaries(
+    st.sampled_from(["merge_method", "base_model", "models", "parameters", "dtype", "options",
+                     "tokenizer_source"]) | st.text(max_size=5) | st.integers(),
+    json_any | st.lists(st.dictionaries(st.sampled_from(["model", "parameters", "x"]), json_any), max_size=3),
+    max_size=6)
+
+
+@given(recipe_doc | json_any)
+def test_fuzz_recipe_and_method_parameters(doc: object) -> None:
+    try:
+        rec = parse_recipe(doc)
+        get_method(rec.method).parse(rec.parameters)
+    except RLMergeError:
+        pass
+
+
+@given(st.sampled_from(sorted(REGISTRY)), st.dictionaries(st.text(max_size=10) | st.sampled_from(
+    ["r", "alpha", "preset", "epsilon", "weights", "scaling", "agent", "divide_by_n", "big_r", "rescale_factor"]),
+    json_any, max_size=3))
+def test_fuzz_method_parameters(method: str, params: dict) -> None:
+    try:
+        get_method(method).parse(params)
+    except RLMergeError:
+        pass
+
+
+@given(st.binary(max_size=200) | st.text(max_size=200).map(str.encode))
+def test_fuzz_recipe_text(raw: bytes) -> None:
+    path = WORK / "recipe.yaml"
+    path.write_bytes(raw)
+    try:
+        load_recipe(path)
+    except RLMergeError:
+        pass
