@@ -63,6 +63,12 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
     if not isinstance(method, str):
         bad("merge_method is missing or not a string")
     base = doc.get("base_model")
+    models = doc.get("models")
+    # mergekit's linear needs no base: the first model then serves as the plan's reference, and stays an agent.
+    linear = method == "linear"
+    if base is None and linear and isinstance(models, list) and models:
+        first = models[0]
+        base = first if isinstance(first, str) else (first or {}).get("model") if isinstance(first, dict) else None
     if not isinstance(base, str):
         bad("base_model is missing or not a string (a folder or a hub id)")
     if doc.get("tokenizer_source", "base") != "base":
@@ -70,7 +76,6 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
             hint="rlmerge keeps the base's tokenizer: use tokenizer_source: base")
     agents: list[str] = []
     per_model: list[dict[str, Any]] = []
-    models = doc.get("models")
     if not isinstance(models, list) or not models:
         bad("models must be a non-empty list of {model: PATH}")
         models = []
@@ -85,8 +90,8 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
         if not isinstance(mp, dict):
             bad(f"models[{i}].parameters must be a mapping")
             mp = {}
-        if entry["model"] == base:
-            continue  # mergekit recipes may list the base among the models; it is not an agent
+        if entry["model"] == base and not linear:
+            continue  # mergekit recipes may list the base among the models; it is not an agent (but is in linear)
         agents.append(entry["model"])
         per_model.append(dict(mp))
     params = doc.get("parameters") or {}
