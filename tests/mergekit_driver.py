@@ -16,8 +16,11 @@ from mergekit.options import MergeOptions
 
 def main(path: str) -> None:
     torch.set_num_threads(1)
-    for job in json.load(open(path)):
-        config = MergeConfiguration.model_validate(yaml.safe_load(open(job["recipe"])))
+    with open(path) as f:
+        jobs = json.load(f)
+    for job in jobs:
+        with open(job["recipe"]) as f:
+            config = MergeConfiguration.model_validate(yaml.safe_load(f))
         options = MergeOptions(random_seed=job.get("seed"), quiet=True, copy_tokenizer=False,
                                write_model_card=False)
         run_merge(config, job["out"], options=options)

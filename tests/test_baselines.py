@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import rlmerge
 import reference_baselines as ref
+import rlmerge
 from conftest import assert_same_tensors, load_output
 from reference import load_models
 from rlmerge.errors import ConfigError, InputError, RLMergeError
