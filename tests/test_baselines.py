@@ -160,6 +160,9 @@ def test_model_stock_and_slerp_equal_dense_reference(example, tmp_path: Path) ->
     _close(got, want, ulps=16)
     with pytest.raises(ConfigError, match="exactly two models"):
         rlmerge.merge(base, agents, tmp_path / "s3", method="slerp")
+    with pytest.raises(ConfigError, match="at least two agents"):
+        rlmerge.merge(base, agents[:1], tmp_path / "ms1", method="model_stock")
+    assert not (tmp_path / "s3").exists() and not (tmp_path / "ms1").exists()
 
 
 def _fisher_files(tmp_path: Path, base: Path, n: int, *, drop: str | None = None) -> list[str]:

@@ -46,8 +46,6 @@ def _mean_cos(dots: torch.Tensor) -> torch.Tensor:
 
 def _merge(base: torch.Tensor, deltas: torch.Tensor, params: ModelStockParams, ctx: BlockContext) -> torch.Tensor:
     n = deltas.shape[0]
-    if n < 2:
-        raise ConfigError(f"model_stock needs at least two agents (got {n})")
     if params.filter_wise:  # row-aligned blocks; a 1-D tensor is one row, as mergekit's unsqueeze(0)
         row = _row(ctx.shape)
         rows = deltas.reshape(n, -1, row).double()  # [N, rows, row]
@@ -64,6 +62,12 @@ def _merge(base: torch.Tensor, deltas: torch.Tensor, params: ModelStockParams, c
     return t * (total / n) + (1 - t) * base
 
 
+def _check_agents(params: ModelStockParams, n: int) -> None:
+    """Called by the engine before any data is read (the observer hook); Model Stock observes nothing."""
+    if n < 2:
+        raise ConfigError(f"model_stock needs at least two agents (got {n})", hint="add agents, or use another method")
+
+
 def _row(shape: tuple[int, ...]) -> int:
     return math.prod(shape[1:]) if len(shape) >= 2 else max(math.prod(shape), 1)
 
@@ -71,5 +75,5 @@ def _row(shape: tuple[int, ...]) -> int:
 METHODS = [
     MethodSpec("model_stock", "Model Stock: interpolate base → agent average by the agents' mean cosine",
                "arXiv:2403.19522", "tensor-local", ModelStockParams, _merge,
-               needs_stats=lambda p: not p.filter_wise, row_blocks=lambda p: p.filter_wise),
+               needs_stats=lambda p: not p.filter_wise, row_blocks=lambda p: p.filter_wise, observer=_check_agents),
 ]
