@@ -58,4 +58,4 @@ def main(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench-ties-bf16"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench-data/ties-bf16"))
