@@ -195,6 +195,12 @@ def test_fisher_inputs_are_validated(example, tmp_path: Path) -> None:
     with pytest.raises(RLMergeError, match="missing from the side input") as e:
         rlmerge.merge(base, agents, tmp_path / "o", method="fisher", params={"fisher": files})
     assert e.value.exit_code == InputError.exit_code and "f2" in str(e.value)
+    bad = _fisher_files(tmp_path / "shape", base, 3)
+    write_checkpoint(Path(bad[1]), {k: v.reshape(-1) for k, v in load_output(Path(bad[0])).items()}, {},
+                     tokenizer=False)
+    with pytest.raises(RLMergeError, match="side input stores") as e:
+        rlmerge.merge(base, agents, tmp_path / "o", method="fisher", params={"fisher": bad})
+    assert e.value.exit_code == InputError.exit_code and not (tmp_path / "o").exists()
     with pytest.raises(ConfigError, match="2 side input"):
         rlmerge.merge(base, agents, tmp_path / "o", method="fisher", params={"fisher": files[:2]})
     with pytest.raises(ConfigError, match="rlmerge fisher"):
