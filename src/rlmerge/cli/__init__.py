@@ -9,12 +9,14 @@ import typer
 from ..errors import RLMergeError
 from .console import err
 from .demo import demo_command
+from .fisher import fisher_command
 from .merge import merge_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Merge RL-trained agents into one model: exact, streaming RAM / RAM+ and baselines.")
 app.command("merge")(merge_command)
 app.command("demo")(demo_command)
+app.command("fisher")(fisher_command)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,9 @@ def parse_param(text: str) -> tuple[str, Any]:
 def merge_command(
     models: Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")] = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="output folder (refused if it exists)")] = ...,
-    method: Annotated[str | None, typer.Option(help="ram+, ram, task_arithmetic, linear, unique")] = None,
+    method: Annotated[str | None, typer.Option(
+        help="ram+, ram, task_arithmetic, linear, unique, ties, ties_global, dare_ta, dare_ties, breadcrumbs, "
+        "della, slerp, model_stock, fisher (docs/methods.md)")] = None,
     recipe: Annotated[Path | None, typer.Option(help="YAML recipe (mergekit layout)")] = None,
     preset: Annotated[str | None, typer.Option(help="RAM+: paper, paper-soft, official, tensor-local")] = None,
     r: Annotated[float | None, typer.Option("--r", help="RAM+ strength r (paper: 0.1)")] = None,
