@@ -20,8 +20,9 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError, RLMergeError, raise_all
+from .mergekit_names import translate
 
-TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "options", "tokenizer_source"}
+TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "options", "tokenizer_source"}
 MODEL_KEYS = {"model", "parameters"}
 OPTIONS = {"shard_size", "block_size", "allow_missing", "count_tied_twice", "seed", "device"}
 
@@ -69,14 +70,19 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
     if not isinstance(method, str):
         bad("merge_method is missing or not a string")
     base = doc.get("base_model")
+    models = doc.get("models")
+    # mergekit's linear needs no base: the first model then serves as the plan's reference, and stays an agent.
+    linear = method == "linear"
+    if base is None and linear and isinstance(models, list) and models:
+        first = models[0]
+        base = first if isinstance(first, str) else (first or {}).get("model") if isinstance(first, dict) else None
     if not isinstance(base, str):
         bad("base_model is missing or not a string (a folder or a hub id)")
     if doc.get("tokenizer_source", "base") != "base":
         bad(f"tokenizer_source {doc['tokenizer_source']!r} is not supported",
             hint="rlmerge keeps the base's tokenizer: use tokenizer_source: base")
     agents: list[str] = []
-    weights: list[float | None] = []
-    models = doc.get("models")
+    per_model: list[dict[str, Any]] = []
     if not isinstance(models, list) or not models:
         bad("models must be a non-empty list of {model: PATH}")
         models = []
@@ -91,28 +97,26 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
         if not isinstance(mp, dict):
             bad(f"models[{i}].parameters must be a mapping")
             mp = {}
-        for key in _unknown(mp, {"weight"}):
-            bad(f"models[{i}]: per-model parameter {key!r} is not supported", hint="set it under parameters")
-        if entry["model"] == base:
-            continue  # mergekit recipes may list the base among the models; it is not an agent
+        if entry["model"] == base and not linear:
+            continue  # mergekit recipes may list the base among the models; it is not an agent (but is in linear)
         agents.append(entry["model"])
-        weights.append(mp.get("weight"))
+        per_model.append(dict(mp))
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         bad("parameters must be a mapping")
         params = {}
-    params = dict(params)
-    if any(w is not None for w in weights):
-        if "weights" in params:
-            bad("weights given both per model and under parameters")
-        params["weights"] = tuple(1.0 if w is None else w for w in weights)
+    if any("weight" in m for m in per_model) and "weights" in params:
+        bad("weights given both per model and under parameters")
+    method, params, problems_mk = translate(str(method), params, per_model)
+    for msg in problems_mk:
+        bad(msg)
     options = doc.get("options") or {}
     if not isinstance(options, dict):
         bad("options must be a mapping")
         options = {}
     for key in _unknown(options, OPTIONS):
         bad(f"unsupported option {key!r}", hint=f"supported options: {', '.join(sorted(OPTIONS))}")
-    dtype = doc.get("dtype")
+    dtype = doc.get("out_dtype", doc.get("dtype"))  # mergekit computes in dtype and writes out_dtype
     raise_all(problems)
     return Recipe(str(method), str(base), agents, params, None if dtype is None else str(dtype), dict(options),
                   raw=doc)

@@ -14,6 +14,7 @@ import typer
 from ..errors import Interrupted, RLMergeError
 from .console import err
 from .demo import demo_command
+from .fisher import fisher_command
 from .merge import merge_command
 from .plan import plan_command
 
@@ -40,6 +41,7 @@ def _interruptible(command: Callable[..., None]) -> Callable[..., None]:
 app.command("merge")(_interruptible(merge_command))
 app.command("plan")(plan_command)
 app.command("demo")(_interruptible(demo_command))
+app.command("fisher")(_interruptible(fisher_command))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,9 @@ def parse_param(text: str) -> tuple[str, Any]:
 def merge_command(
     models: Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")] = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="output folder (refused if it exists)")] = ...,
-    method: Annotated[str | None, typer.Option(help="ram+, ram, task_arithmetic, linear, unique")] = None,
+    method: Annotated[str | None, typer.Option(
+        help="ram+, ram, task_arithmetic, linear, unique, ties, ties_global, dare_ta, dare_ties, breadcrumbs, "
+        "della, slerp, model_stock, fisher (docs/methods.md)")] = None,
     recipe: Annotated[Path | None, typer.Option(help="YAML recipe (mergekit layout)")] = None,
     preset: Annotated[str | None, typer.Option(help="RAM+: paper, paper-soft, official, tensor-local")] = None,
     r: Annotated[float | None, typer.Option("--r", help="RAM+ strength r (paper: 0.1)")] = None,
@@ -100,6 +102,7 @@ def print_result(res: MergeResult) -> None:
     for c in cols:
         table.add_column({"rho": "ρ", "lambda": "λ"}.get(c, c), justify="left" if c == "agent" else "right")
     for row in rows:
+        row = {**row, "agent": Path(row["agent"]).name or row["agent"]}  # full paths are in rlmerge.json
         table.add_row(*(_fmt(c, row[c]) for c in cols))
     out.print(table)
     gb = (res.read_bytes + res.write_bytes) / 1e9
