@@ -151,7 +151,8 @@ def test_atheris_bounded_run(tmp_path: Path) -> None:
     corpus.mkdir()  # empty: the harness starts from its seeds
     seconds = os.environ.get("ATHERIS_SECONDS", "8")
     run = subprocess.run([sys.executable, str(harness), str(corpus), f"-max_total_time={seconds}",
-                          "-rss_limit_mb=4096", "-seed=1", "-print_final_stats=1"], cwd=tmp_path, capture_output=True, text=True)
+                          "-rss_limit_mb=4096", "-seed=1", "-print_final_stats=1"],
+                         cwd=tmp_path, capture_output=True, text=True)
     tail = "\n".join(line for line in run.stderr.splitlines() if not line.startswith("INFO: Instrumenting"))[-3000:]
     assert run.returncode == 0, tail
     assert "Done" in run.stderr, tail
