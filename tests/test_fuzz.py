@@ -149,7 +149,7 @@ def test_atheris_bounded_run(tmp_path: Path) -> None:
     harness = Path(__file__).with_name("fuzz_atheris.py")
     corpus = tmp_path / "corpus"
     corpus.mkdir()  # empty: the harness starts from its seeds
-    seconds = os.environ.get("ATHERIS_SECONDS", "8")
+    seconds = os.environ.get("ATHERIS_SECONDS", "6")
     run = subprocess.run([sys.executable, str(harness), str(corpus), f"-max_total_time={seconds}",
                           "-rss_limit_mb=4096", "-seed=1", "-print_final_stats=1"],
                          cwd=tmp_path, capture_output=True, text=True)

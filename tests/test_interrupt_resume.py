@@ -170,31 +170,44 @@ def test_force_discards_a_partial_output(example, tmp_path: Path, monkeypatch) -
     assert _files(out) == _files(tmp_path / "ref") and not partial_path(out).exists()
 
 
+@pytest.mark.parametrize("shard_size", ["5GB", "16KB"], ids=["one shard", "several shards"])
 def test_disk_full_is_a_clear_error_and_inputs_are_untouched(example, tmp_path: Path, monkeypatch,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+                                                            capsys: pytest.CaptureFixture[str], shard_size) -> None:
     base, agents = example
+    opts = ["-q", "--method", "ram", "--shard-size", shard_size]
+    args = [str(base), *map(str, agents), "-o", str(tmp_path / "out"), *opts]
     before = _digest([base, *agents])
     real_open = open
 
+    written = [0]  # bytes on the "disk", over all files
+
     class FullDisk:
         def __init__(self, f):
-            self.f, self.n = f, 0
+            self.f = f
 
         def write(self, data):
-            self.n += memoryview(data).nbytes
-            if self.n > 30_000:
+            written[0] += memoryview(data).nbytes
+            if written[0] > 30_000:
                 raise OSError(errno.ENOSPC, "No space left on device")
             return self.f.write(data)
 
         def __getattr__(self, name):
             return getattr(self.f, name)
 
-    monkeypatch.setattr(writer_mod, "open", lambda *a, **k: FullDisk(real_open(*a, **k)), raising=False)
-    code = main(["merge", str(base), *map(str, agents), "-o", str(tmp_path / "out"), "-q", "--method", "ram"])
+    with monkeypatch.context() as m:  # the disk is full after 30 kB of shards
+        m.setattr(writer_mod, "open", lambda *a, **k: FullDisk(real_open(*a, **k)), raising=False)
+        code = main(["merge", *args])
     assert code == OutputError.exit_code == 4
     assert "the disk is full" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists() and not partial_path(tmp_path / "out").exists()  # no shard complete
+    assert not (tmp_path / "out").exists()
     assert _digest([base, *agents]) == before
+    if shard_size == "5GB":
+        assert not partial_path(tmp_path / "out").exists()  # no shard was complete: nothing kept
+        return
+    assert _shards_done(tmp_path / "out") >= 1  # completed shards are kept; after freeing space, resume
+    assert main(["merge", *args, "--resume"]) == 0
+    assert main(["merge", str(base), *map(str, agents), "-o", str(tmp_path / "ref"), *opts]) == 0
+    assert _files(tmp_path / "out") == _files(tmp_path / "ref")
 
 
 @pytest.mark.parametrize("how", ["chmod", "monkeypatch"])
@@ -229,4 +242,17 @@ def test_output_inside_an_input_is_refused(example, tmp_path: Path) -> None:
     for out in (agents[0] / "merged", base, tmp_path):
         with pytest.raises(OutputError, match="overlaps the input"):
             rlmerge.merge(base, agents, out, method="ram", force=True)
+    assert _digest([base, *agents]) == before
+
+
+def test_same_recipe_twice_gives_identical_folders_and_inputs_stay_untouched(example, tmp_path: Path) -> None:
+    base, agents = example
+    before = _digest([base, *agents])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"merge_method: ram+\nbase_model: {base}\nmodels:\n"
+                      + "".join(f"  - model: {a}\n" for a in agents) + "parameters: {preset: paper, r: 0.1}\n")
+    for out, block in (("a", "100"), ("b", "7777")):  # the block size is free: it is not part of the recipe
+        assert main(["merge", "--recipe", str(recipe), "-o", str(tmp_path / out), "-q", "--shard-size", "16KB",
+                     "--block-size", block]) == 0
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")  # shards, index, rlmerge.json, README.md, config
     assert _digest([base, *agents]) == before
