@@ -111,14 +111,35 @@ def test_fuzz_config_and_index(config: object, index: object) -> None:
         Checkpoint(folder).close()
 
 
+# YAML, unlike JSON, allows mapping keys of any scalar type.
+yaml_key = st.text(max_size=5) | st.integers() | st.none() | st.booleans() | st.floats()
+yaml_any = st.recursive(json_leaf, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
+    yaml_key, kids, max_size=4), max_leaves=12)
 recipe_doc = st.dictionaries(
     st.sampled_from(["merge_method", "base_model", "models", "parameters", "dtype", "options",
                      "tokenizer_source"]) | st.text(max_size=5) | st.integers(),
-    json_any | st.lists(st.dictionaries(st.sampled_from(["model", "parameters", "x"]), json_any), max_size=3),
+    yaml_any | st.lists(st.dictionaries(st.sampled_from(["model", "parameters", "x"]) | yaml_key, yaml_any),
+                        max_size=3)
+    | st.lists(st.fixed_dictionaries({"model": st.sampled_from(["a", "b"])}, optional={"parameters": st.dictionaries(
+        st.sampled_from(["weight", "density", "epsilon"]) | yaml_key, yaml_any, max_size=3)}), max_size=3),
     max_size=6)
 
 
-@given(recipe_doc | json_any)
+model_entry = st.fixed_dictionaries({"model": st.sampled_from(["a", "b", "c"])}, optional={
+    "parameters": st.dictionaries(st.sampled_from(["weight", "density", "epsilon", "x"]) | yaml_key, yaml_any,
+                                  max_size=3)})
+plausible_recipe = st.fixed_dictionaries(
+    {"merge_method": st.sampled_from(["ram", "ram+", "ties", "dare_ties", "linear", "task_arithmetic", "della",
+                                      "breadcrumbs", "slerp", "model_stock", "x"]) | yaml_any,
+     "base_model": st.sampled_from(["b", "c"]),
+     "models": st.lists(model_entry | st.sampled_from(["a", "b"]), min_size=1, max_size=3)},
+    optional={"parameters": st.dictionaries(st.sampled_from(["r", "alpha", "preset", "density", "weight", "t",
+                                                             "normalize", "rescale", "lambda"]) | yaml_key,
+                                            yaml_any, max_size=3),
+              "options": st.dictionaries(yaml_key, yaml_any, max_size=2), "dtype": yaml_any, "out_dtype": yaml_any})
+
+
+@given(recipe_doc | plausible_recipe | json_any)
 def test_fuzz_recipe_and_method_parameters(doc: object) -> None:
     try:
         rec = parse_recipe(doc)
@@ -169,6 +190,10 @@ def test_regressions_found_by_fuzzing() -> None:
     save_file({"e": torch.zeros(0), "w": torch.ones(2)}, str(folder / "model.safetensors"))
     ckpt = Checkpoint(folder)
     assert ckpt.read_f32("e", 0, 0, torch.empty(1)).numel() == 0 and bytes(ckpt.read_raw("e", 0, 0)) == b""
+    # atheris: per-model parameters with a null key next to text keys (sorting them crashed).
+    with pytest.raises(ConfigError, match="per-model parameter None"):
+        parse_recipe({"merge_method": "ram", "base_model": "b", "models": [{"model": "a", "parameters": {
+            "weight": 1, None: 2}}]})
     # hypothesis: recipe keys of mixed types, config.json that is not an object, recipe bytes not UTF-8.
     with pytest.raises(ConfigError, match="unsupported key 1"):
         parse_recipe({"merge_method": "ram", "base_model": "b", "models": ["a"], 1: 2})
