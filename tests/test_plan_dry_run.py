@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import rlmerge
 from conftest import TINY
 from rlmerge import budget, dryrun
 from rlmerge.checkpoint import Checkpoint
@@ -19,9 +20,9 @@ from rlmerge.errors import ConfigError, InputError, OutputError
 from rlmerge.synthetic import Shape, make_example, write_checkpoint
 
 
-def _data_bytes(folder: Path) -> int:
+def _data_bytes(folder: Path, name: str = "model.safetensors") -> int:
     """Bytes of tensor data in a safetensors file: its size minus the 8-byte length and the header."""
-    raw = (folder / "model.safetensors").read_bytes()
+    raw = (folder / name).read_bytes()
     return len(raw) - 8 - int.from_bytes(raw[:8], "little")
 
 
@@ -35,14 +36,20 @@ def no_weight_reads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(("method", "passes"), [("ram+", ["statistics", "merge"]), ("ram", ["merge"])])
-def test_bytes_and_passes_from_headers_only(example, tmp_path: Path, no_weight_reads, method, passes) -> None:
+def test_bytes_and_passes_from_headers_only(example, tmp_path: Path, no_weight_reads, monkeypatch, method,
+                                            passes) -> None:
     base, agents = example
     r = dryrun.dry_run(base, agents, tmp_path / "out", method=method, shard_size="16KB")
     assert r.ok and r.passes == passes
     models = sum(_data_bytes(m) for m in [base, *agents])  # every tensor of TINY is a float merged tensor
     assert r.read_bytes == models * len(passes)
     assert r.write_bytes == _data_bytes(base)
-    assert r.shards == -(-_data_bytes(base) // 16_000) or r.shards == -(-_data_bytes(base) // 16_000) + 1
+    # The prediction matches what the merge then does: its shard count and the tensor bytes it writes.
+    monkeypatch.undo()  # weights may be read again
+    rlmerge.merge(base, agents, tmp_path / "out", method=method, shard_size="16KB")
+    shards = sorted((tmp_path / "out").glob("*.safetensors"))
+    assert r.shards == len(shards) > 1
+    assert r.write_bytes == sum(_data_bytes(s.parent, s.name) for s in shards)
     assert r.memory is not None and r.memory.block == max(t.numel() for t in load_file(
         str(base / "model.safetensors")).values())
 
@@ -75,6 +82,8 @@ def test_cli_plan_exit_codes_and_json(example, tmp_path: Path, capsys: pytest.Ca
     assert main(argv) == OutputError.exit_code
     assert "already exists" in capsys.readouterr().err
     assert main([*argv, "--force", "--dtype", "int3"]) == ConfigError.exit_code
+    assert main([*argv, "--force", "--preset", "official", "--r", "0.2"]) == ConfigError.exit_code  # r is not R
+    assert "r does not apply to preset 'official'" in capsys.readouterr().err
     assert main(["plan", str(base), str(tmp_path / "nope")]) == InputError.exit_code
     assert not list(tmp_path.glob(".out*"))  # a dry run writes nothing
 

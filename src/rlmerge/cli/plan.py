@@ -20,6 +20,12 @@ def plan_command(
     output: Annotated[Path | None, typer.Option("-o", "--output", help="output folder to check")] = None,
     method: Annotated[str | None, typer.Option(help="ram+, ram, task_arithmetic, linear, unique")] = None,
     recipe: Annotated[Path | None, typer.Option(help="YAML recipe (mergekit layout)")] = None,
+    preset: Annotated[str | None, typer.Option(help="RAM+: paper, paper-soft, official, tensor-local")] = None,
+    r: Annotated[float | None, typer.Option("--r", help="RAM+ strength r (paper: 0.1)")] = None,
+    alpha: Annotated[float | None, typer.Option(help="RAM+ clip α on ρ (paper: 2.0)")] = None,
+    rescale_factor: Annotated[float | None, typer.Option(help="RAM+ official preset's R (1.2)")] = None,
+    eps: Annotated[float | None, typer.Option("--eps", help="changed means |τ| > eps (1e-5)")] = None,
+    scaling: Annotated[float | None, typer.Option(help="task arithmetic λ")] = None,
     param: Annotated[list[str] | None, typer.Option("--param", help="any method parameter, KEY=VALUE")] = None,
     dtype: Annotated[str | None, typer.Option(help="output dtype (default: the base's)")] = None,
     shard_size: Annotated[str | None, typer.Option(help="max shard size, e.g. 5GB")] = None,
@@ -47,6 +53,9 @@ def plan_command(
         if not models or len(models) < 2:
             raise ConfigError("need BASE and at least one AGENT (or --recipe)")
         base, agents = models[0], models[1:]
+    flags = {"preset": preset, "r": r, "alpha": alpha, "rescale_factor": rescale_factor, "epsilon": eps,
+             "scaling": scaling}
+    params.update({k: v for k, v in flags.items() if v is not None})
     params.update(dict(parse_param(p) for p in param or []))
     options.update({k: v for k, v in {"shard_size": shard_size, "block_size": block_size}.items() if v is not None})
     report = dry_run(base, agents, output, method=method or "ram+", params=params, dtype=dtype,
@@ -60,8 +69,12 @@ def plan_command(
         raise ProblemsError(report.problems) if len(report.problems) > 1 else report.problems[0]
 
 
-def _gb(n: int | None) -> str:
-    return "?" if n is None else f"{n / 1e9:.3f} GB"
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    value, unit = next((n / f, u) for f, u in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B"))
+                       if n >= f or f == 1)
+    return f"{value:.3g} {unit}" if unit != "B" else f"{n} B"
 
 
 def print_report(r: DryRun) -> None:
@@ -69,12 +82,12 @@ def print_report(r: DryRun) -> None:
         merged = len(r.plan.merge_jobs)
         out.print(f"method {r.method}: {len(r.plan.jobs)} tensors ({merged} merged, "
                   f"{len(r.plan.jobs) - merged} copied), {len(r.plan.agents)} agents")
-        out.print(f"passes: {' + '.join(r.passes)}; read {_gb(r.read_bytes)}, write {_gb(r.write_bytes)} "
+        out.print(f"passes: {' + '.join(r.passes)}; read {_size(r.read_bytes)}, write {_size(r.write_bytes)} "
                   f"in {r.shards} shard(s)")
     if r.memory is not None:
         avail = "unknown" if r.available_memory is None else f"{r.available_memory / 2**30:.2f} GiB"
         out.print(f"peak memory ≈ {r.memory.total / 2**30:.2f} GiB (blocks of {r.memory.block:,} elements; "
-                  f"available {avail})" + (f"; plus {_gb(r.memory.mapped)} of memory-mapped .bin files"
+                  f"available {avail})" + (f"; plus {_size(r.memory.mapped)} of memory-mapped .bin files"
                                            if r.memory.mapped else ""))
     for w in r.warnings:
         err.print(f"[yellow]warning:[/] {w}")
