@@ -120,3 +120,11 @@ def test_memory_estimate_bounds_measured_peak(tmp_path: Path) -> None:
     used = m["peak"] - m["before"]  # what the merge itself added
     assert 0.6 * used <= m["block_part"] <= 1.6 * used, m
     assert m["before"] < budget.BASELINE
+
+
+def test_side_inputs_are_checked_too(example, tmp_path: Path, no_weight_reads) -> None:
+    base, agents = example
+    missing = [str(tmp_path / f"fisher{i}") for i in range(3)]
+    r = dryrun.dry_run(base, agents, method="fisher", params={"fisher": ",".join(missing)})
+    assert sorted(p.file for p in r.problems) == missing
+    assert all(isinstance(p, InputError) for p in r.problems)

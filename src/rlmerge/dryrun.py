@@ -86,11 +86,55 @@ def dry_run(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
             shard_size: str | int = DEFAULT_SHARD_SIZE, block_size: int = DEFAULT_BLOCK,
             allow_missing: bool = False, count_tied_twice: bool = False, force: bool = False,
             resume: bool = False, available: int | None = None, **_ignored: Any) -> DryRun:
-    """Check a merge without running it; ``available`` overrides the memory available (bytes)."""
-    from .merge import parse_dtype  # merge.py imports this module's neighbours; import late, no cycle
+    """Check a merge without running it; ``available`` overrides the memory available (bytes).
 
+    >>> report = dry_run("base/", ["coder/", "tools/"], "merged/", method="ram+")  # doctest: +SKIP
+    >>> report.ok, report.read_bytes, report.memory.total  # doctest: +SKIP
+    """
     report = DryRun(method)
     problems = report.problems
+    spec, p, out_dtype, shard_bytes = _configuration(method, params, dtype, shard_size, problems)
+    extra_specs = list(spec.extra_inputs(p) or ()) if spec is not None and p is not None else []
+    models = _open([base, *agents], problems)
+    extras = _open(extra_specs, problems)
+    if output is not None:
+        problems += _check_output(Path(output), force=force, resume=resume)
+        try:
+            check_output_location(Path(output), [m for m in models + extras if m is not None])
+        except RLMergeError as e:
+            problems.append(e)
+    if models[0] is None:
+        return report
+    opened = [m for m in models[1:] if m is not None]
+    report.memory = estimate_memory(models[0], [*opened, *(x for x in extras if x)], block_size,
+                                    n_agents=len(agents) + len(extra_specs))
+    report.available_memory = available_memory() if available is None else available
+    try:
+        check_memory(report.memory, len(agents), report.available_memory)
+    except RLMergeError as e:
+        problems.append(e)
+    # Agents that could not be opened are left out, so the others are still matched against the base;
+    # the figures below are then lower bounds.
+    try:
+        plan = build_plan(models[0], opened, dtype=out_dtype, allow_missing=allow_missing,
+                          count_tied_twice=count_tied_twice)
+        if all(extras):
+            from .merge import check_side_inputs  # merge imports the modules this one does: import late
+
+            check_side_inputs(plan, extras)  # type: ignore[arg-type]
+    except RLMergeError as e:
+        problems += [x for x in _flat(e) if opened or "no agents given" not in x.message]
+        return report
+    _costs(report, plan, spec is not None and (spec.needs_stats(p) or spec.observer(p, len(opened)) is not None),
+           shard_bytes)
+    return report
+
+
+def _configuration(method: str, params: Mapping[str, Any] | None, dtype: str | None, shard_size: str | int,
+                   problems: list[RLMergeError]) -> tuple[Any, Any, Any, int]:
+    """(method spec, parameters, output dtype, shard bytes), each None/default where it is a problem."""
+    from .merge import parse_dtype  # merge imports the modules this one does: import late
+
     spec = p = out_dtype = None
     shard_bytes = DEFAULT_SHARD_SIZE
     try:
@@ -98,53 +142,35 @@ def dry_run(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
         p = spec.parse(params)
     except RLMergeError as e:
         problems += _flat(e)
-    for check in (lambda: parse_dtype(dtype), lambda: parse_size(shard_size)):
-        try:
-            value = check()
-        except RLMergeError as e:
-            problems += _flat(e)
-        else:
-            if isinstance(value, int):
-                shard_bytes = value
-            else:
-                out_dtype = value
-    models: list[Checkpoint | None] = []
-    for s in [base, *agents]:
+    try:
+        out_dtype = parse_dtype(dtype)
+    except RLMergeError as e:
+        problems += _flat(e)
+    try:
+        shard_bytes = parse_size(shard_size)
+    except RLMergeError as e:
+        problems += _flat(e)
+    return spec, p, out_dtype, shard_bytes
+
+
+def _open(specs: Sequence[str | os.PathLike[str]], problems: list[RLMergeError]) -> list[Checkpoint | None]:
+    out: list[Checkpoint | None] = []
+    for s in specs:
         try:
             path, rev = resolve(s)
-            models.append(Checkpoint(path, label=str(s), revision=rev))
+            out.append(Checkpoint(path, label=str(s), revision=rev))
         except RLMergeError as e:
             problems += _flat(e)
-            models.append(None)
-    if output is not None:
-        problems += _check_output(Path(output), force=force, resume=resume)
-        try:
-            check_output_location(Path(output), [m for m in models if m is not None])
-        except RLMergeError as e:
-            problems.append(e)
-    if models[0] is None:
-        return report
-    opened = [m for m in models[1:] if m is not None]
-    report.memory = estimate_memory(models[0], opened, block_size, n_agents=len(agents))
-    report.available_memory = available_memory() if available is None else available
-    try:
-        check_memory(report.memory, len(agents), report.available_memory)
-    except RLMergeError as e:
-        problems.append(e)
-    # Agents that could not be opened are left out, so the others are still matched against the base.
-    try:
-        plan = build_plan(models[0], opened, dtype=out_dtype, allow_missing=allow_missing,
-                          count_tied_twice=count_tied_twice)
-    except RLMergeError as e:
-        problems += [x for x in _flat(e) if opened or "no agents given" not in x.message]
-        return report
-    # With an agent left out, the figures below are lower bounds.
+            out.append(None)
+    return out
+
+
+def _costs(report: DryRun, plan: Plan, two_pass: bool, shard_bytes: int) -> None:
+    """Passes, bytes read over all of them (an observer asking for more passes reads more), bytes written."""
     report.plan, report.warnings = plan, list(plan.warnings)
-    two_pass = spec is not None and spec.needs_stats(p)
     report.passes = ["statistics", "merge"] if two_pass else ["merge"]
     stats_read = sum(j.info.nbytes + sum(a.tensors[j.name].nbytes for a, here in zip(plan.agents, j.present) if here)
                      for j in plan.merge_jobs)
     report.read_bytes = plan.read_bytes + (stats_read if two_pass else 0)
     report.write_bytes = plan.write_bytes
     report.shards = len(layout_shards(plan.jobs, shard_bytes))
-    return report
