@@ -164,3 +164,14 @@ def test_every_problem_is_reported_at_once(example, tmp_path: Path) -> None:
     assert len(info.value.problems) == 2
     assert "model.norm.weight" in text and "model.layers.0.mlp.up_proj.weight" in text
     assert str(config(TINY, torch.bfloat16)["hidden_size"]) in text  # the base's shape [32] is named
+
+
+def test_available_memory_ignores_reclaimable_page_cache_in_a_cgroup(tmp_path: Path, monkeypatch) -> None:
+    files = {"/proc/meminfo": "MemTotal: 100 kB\nMemAvailable:   4000 kB\n",
+             "/sys/fs/cgroup/memory.max": "3000000\n", "/sys/fs/cgroup/memory.current": "2999000\n",
+             "/sys/fs/cgroup/memory.stat": "anon 1000000\nfile 1999000\n"}
+    monkeypatch.setattr(budget.Path, "read_text", lambda self, *a, **k: files[str(self)])
+    # Page cache fills the cgroup (current ≈ max) but only 1 MB is anonymous: 2 MB are available.
+    assert budget.available_memory() == 2_000_000
+    files["/sys/fs/cgroup/memory.max"] = "max\n"
+    assert budget.available_memory() == 4000 * 1024

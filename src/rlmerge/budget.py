@@ -72,11 +72,14 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     try:
+        # cgroup v2 (containers): the limit minus anonymous memory in use. Not memory.current, which counts
+        # the page cache too: after reading a large checkpoint it sits near the limit, yet that cache is
+        # reclaimable and a merge fits.
         text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        stat = dict(line.split() for line in Path("/sys/fs/cgroup/memory.stat").read_text().splitlines())
         if text != "max":
-            limits.append(int(text) - used)
-    except (OSError, ValueError):
+            limits.append(int(text) - int(stat["anon"]))
+    except (OSError, ValueError, KeyError):
         pass
     if not limits and hasattr(os, "sysconf"):
         with contextlib.suppress(ValueError, OSError):
