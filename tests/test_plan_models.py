@@ -83,9 +83,13 @@ def test_untied_agent_against_tied_base_is_refused(example, tmp_path: Path) -> N
     untied = _variant(agents[0], tmp_path / "untied",
                       edit=lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] * 1.5}),
                       cfg_edit=lambda c: c.update(tie_word_embeddings=False))
-    with pytest.raises(InputError, match="own \\(untied\\) lm_head") as info:
+    with pytest.raises(InputError, match="stores its own lm_head") as info:
         rlmerge.merge(base, [untied, *agents[1:]], tmp_path / "out")
     assert info.value.tensor == "lm_head.weight"
+    # A config that does not say is not taken as tied: transformers' default differs between model classes.
+    unsaid = _variant(untied, tmp_path / "unsaid", cfg_edit=lambda c: c.pop("tie_word_embeddings"))
+    with pytest.raises(InputError, match="tie_word_embeddings: None"):
+        rlmerge.merge(base, [unsaid, *agents[1:]], tmp_path / "out")
 
 
 def test_tied_agent_against_untied_base_is_refused(tmp_path: Path) -> None:

@@ -73,7 +73,6 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     out_dtype = parse_dtype(dtype)
     shard_bytes = parse_size(shard_size)
     out = Path(output)
-    out = Path(output)
     if out.exists() and not force:  # refused now, before any work
         raise OutputError("output folder already exists", file=str(out),
                           hint="choose another -o, or pass --force to replace it")

@@ -93,22 +93,24 @@ def _config_problems(base: Checkpoint, agent: Checkpoint) -> list[RLMergeError]:
 def _tying_problems(base: Checkpoint, agent: Checkpoint, plan: Plan) -> list[RLMergeError]:
     """Tied vs untied lm_head across base and agent: never a silent choice.
 
-    - base ties (no lm_head stored), agent stores lm_head while its config says *tied*: the stored copy
-      is redundant; it is dropped and reported (``plan.warnings``).
-    - base ties, agent's config says *untied*: the agent trained its own lm_head; dropping it would lose
-      part of the agent, so this is an error.
+    - base ties (no lm_head stored), agent stores lm_head while its config says ``tie_word_embeddings:
+      true``: the stored copy is redundant; it is dropped and reported (``plan.warnings``).
+    - base ties, agent's config says untied *or does not say* (transformers' default differs between
+      model classes): the agent may have trained its own lm_head, and dropping it would lose part of the
+      agent, so this is an error.
     - base stores lm_head, agent ties (stores none): its lm_head is its embedding, which the base does not
       share; an error too (there is no base lm_head delta to compute).
     """
+    tie = agent.config.get("tie_word_embeddings")
     if plan.tied and LM_HEAD in agent.tensors:
-        if not agent.tie_word_embeddings:
-            return [InputError("the agent has its own (untied) lm_head but the base ties lm_head to its "
-                               "embeddings", file=str(agent.path), tensor=LM_HEAD,
+        if tie is not True:
+            return [InputError(f"the agent stores its own lm_head (config tie_word_embeddings: {tie}) but the base "
+                               "ties lm_head to its embeddings", file=str(agent.path), tensor=LM_HEAD,
                                hint="merge against an untied copy of the base (lm_head stored, "
                                     "tie_word_embeddings: false), or re-save the agent tied")]
         plan.warnings.append(f"agent {agent.label} stores lm_head.weight although its config ties it to the "
                              f"embeddings, like the base: the redundant copy is dropped")
-    if LM_HEAD in base.tensors and LM_HEAD not in agent.tensors and agent.tie_word_embeddings:
+    if LM_HEAD in base.tensors and LM_HEAD not in agent.tensors and tie is True:
         return [InputError("the agent ties lm_head to its embeddings (no lm_head stored) but the base stores "
                            "its own lm_head", file=str(agent.path), tensor=LM_HEAD,
                            hint="re-save the agent untied (lm_head stored, tie_word_embeddings: false)")]
@@ -134,7 +136,7 @@ def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: torch.dtype
         for a in agents:
             other = a.tensors.get(info.name)
             if other is None:
-                if info.name == LM_HEAD and a.tie_word_embeddings:
+                if info.name == LM_HEAD and a.config.get("tie_word_embeddings") is True:
                     pass  # reported once by _tying_problems
                 elif info.is_float and not allow_missing:
                     problems.append(InputError(
