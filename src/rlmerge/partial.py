@@ -3,9 +3,9 @@
 A run writes into ``<parent>/.<name>.rlmerge-partial`` (never into the output itself, never into an input
 folder). While it runs it holds an exclusive ``flock`` on ``.lock`` inside that folder, so a second run
 into the same output is refused, and a killed run's lock vanishes with its process. Each completed shard
-is recorded in ``.progress.json`` with its size and SHA-256, next to a fingerprint of everything that
+is recorded in ``.progress.json`` with its size and CRC-32, next to a fingerprint of everything that
 decides the output bytes (inputs' headers, method, parameters, shard layout). ``--resume`` checks the
-fingerprint, re-hashes the recorded shards and continues after the last good one; the result is
+fingerprint, re-checks the recorded shards and continues after the last good one; the result is
 byte-identical to an uninterrupted run.
 """
 
@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ except ImportError:  # Windows: no flock; the partial folder's existence is the 
 
 LOCK = ".lock"
 PROGRESS = ".progress.json"
-_HASH_CHUNK = 1 << 24  # bytes per read when re-hashing a shard on resume
+_HASH_CHUNK = 1 << 24  # bytes per read when re-checking a shard on resume
 
 
 def partial_path(output: Path) -> Path:
@@ -61,12 +62,14 @@ def fingerprint(models: Sequence[Checkpoint], parts: dict[str, Any]) -> str:
     return hashlib.sha256(doc.encode()).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def file_crc32(path: Path) -> int:
+    """CRC-32 of a file: it catches a torn or damaged shard, at ~3× the speed of SHA-256 (no adversary here:
+    the partial folder is our own)."""
+    crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 class PartialDir:
@@ -81,7 +84,7 @@ class PartialDir:
         self.tmp = partial_path(output)
         self.force = force
         self.resume = resume
-        self.shards: list[dict[str, Any]] = []  # recorded, verified shards: {"file", "bytes", "sha256"}
+        self.shards: list[dict[str, Any]] = []  # recorded, verified shards: {"file", "bytes", "crc32"}
         self.resumed = 0  # shards carried over from an interrupted run
         self._fingerprint = ""
         self._lock_fd: int | None = None
@@ -164,7 +167,7 @@ class PartialDir:
                 path = self.tmp / filenames[i]
                 if not path.is_file() or path.stat().st_size != rec.get("bytes"):
                     break
-                if file_sha256(path) != rec.get("sha256"):
+                if file_crc32(path) != rec.get("crc32"):
                     break
                 self.shards.append(rec)
         self._unverified = False
@@ -172,9 +175,9 @@ class PartialDir:
         self._write_progress()
         return self.resumed
 
-    def record(self, filename: str, nbytes: int, sha256: str) -> None:
+    def record(self, filename: str, nbytes: int, crc32: int) -> None:
         """A shard is complete and on disk (fsynced by the caller): remember it."""
-        self.shards.append({"file": filename, "bytes": nbytes, "sha256": sha256})
+        self.shards.append({"file": filename, "bytes": nbytes, "crc32": crc32})
         self._write_progress()
 
     def _write_progress(self) -> None:

@@ -8,11 +8,11 @@ so an interrupted run never leaves a folder that looks like a finished model.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +86,7 @@ def shard_header(shard: Shard, metadata: dict[str, str]) -> bytes:
 class CheckpointWriter:
     """Streams shards into a claimed ``PartialDir`` and publishes it onto the output at the end.
 
-    Each shard is hashed as it streams out; once complete it is fsynced and recorded in the partial
+    Each shard's CRC-32 is computed as it streams out; once complete it is fsynced and recorded in the partial
     folder's progress file, which is what ``--resume`` verifies. ``pending(jobs)`` is the jobs still to
     write: all of them, or those after the shards a resumed run kept.
     """
@@ -104,7 +104,7 @@ class CheckpointWriter:
         self._next = 0  # index into _order of the tensor being written
         self._shard_i = -1
         self._fh: Any = None
-        self._hash: Any = None
+        self._crc = 0  # CRC-32 of the current shard so far
         self._remaining = 0  # bytes still owed to the current tensor
 
     def __enter__(self) -> CheckpointWriter:
@@ -144,7 +144,7 @@ class CheckpointWriter:
             self._fh.write(header)
         except OSError as e:
             raise disk_error(e, path) from e
-        self._hash = hashlib.sha256(header)
+        self._crc = zlib.crc32(header)
         self._shard_i = i
 
     def _close_shard(self) -> None:
@@ -161,7 +161,7 @@ class CheckpointWriter:
             raise disk_error(e, path) from e
         finally:
             self._fh = None
-        self.partial.record(shard.filename, path.stat().st_size, self._hash.hexdigest())
+        self.partial.record(shard.filename, path.stat().st_size, self._crc)
 
     def write(self, data: torch.Tensor | memoryview) -> None:
         """Append data of the current tensor: a contiguous tensor in the output dtype, or raw bytes."""
@@ -172,7 +172,7 @@ class CheckpointWriter:
             self._fh.write(buf)
         except OSError as e:
             raise disk_error(e, self.tmp / self.shards[self._shard_i].filename) from e
-        self._hash.update(buf)
+        self._crc = zlib.crc32(buf, self._crc)
         self._remaining -= buf.nbytes
 
     # -- side files and the final rename ---------------------------------------------------------------
