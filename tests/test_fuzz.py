@@ -115,6 +115,29 @@ def test_fuzz_config_and_index(config: object, index: object) -> None:
 yaml_key = st.text(max_size=5) | st.integers() | st.none() | st.booleans() | st.floats()
 yaml_any = st.recursive(json_leaf, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(
     yaml_key, kids, max_size=4), max_leaves=12)
+bin_value = st.builds(lambda n, dt: torch.zeros(n, dtype=dt), st.integers(0, 4),
+                      st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool])) | json_leaf
+bin_state = st.dictionaries(st.text(max_size=6) | st.integers() | st.none(), bin_value | st.dictionaries(
+    st.text(max_size=4), bin_value, max_size=2), max_size=4) | st.lists(bin_value, max_size=2) | bin_value
+
+
+@given(bin_state)
+def test_fuzz_bin_state(state: object) -> None:
+    """What a .bin may hold under weights_only=True: any mix of keys, tensors, containers and plain values."""
+    folder = WORK / "bin"
+    folder.mkdir(exist_ok=True)
+    torch.save(state, folder / "pytorch_model.bin")
+    try:
+        ckpt = Checkpoint(folder)
+        for info in ckpt.tensors.values():
+            ckpt.read_raw(info.name, 0, info.numel)
+            if info.is_float:
+                ckpt.read_f32(info.name, 0, info.numel, torch.empty(info.numel))
+        build_plan(ckpt, [ckpt])
+    except RLMergeError:
+        pass
+
+
 recipe_doc = st.dictionaries(
     st.sampled_from(["merge_method", "base_model", "models", "parameters", "dtype", "options",
                      "tokenizer_source"]) | st.text(max_size=5) | st.integers(),
@@ -194,6 +217,19 @@ def test_regressions_found_by_fuzzing() -> None:
     with pytest.raises(ConfigError, match="per-model parameter None"):
         parse_recipe({"merge_method": "ram", "base_model": "b", "models": [{"model": "a", "parameters": {
             "weight": 1, None: 2}}]})
+    # hypothesis: a .bin state dict with a non-string key crashed the plan; a nested training checkpoint
+    # and a tensor-free base gave an empty "merged" model.
+    binf = WORK / "bin-reg"
+    binf.mkdir(exist_ok=True)
+    for state, needle in (({0: torch.zeros(1)}, "not tensor names"),
+                          ({"model": {"w": torch.zeros(1)}, "step": 3}, "training checkpoint")):
+        torch.save(state, binf / "pytorch_model.bin")
+        with pytest.raises(RLMergeError, match=needle):
+            Checkpoint(binf)
+    (binf / "pytorch_model.bin").unlink()
+    save_file({}, str(binf / "model.safetensors"))
+    with pytest.raises(RLMergeError, match="holds no tensors"):
+        build_plan(Checkpoint(binf), [Checkpoint(binf)])
     # hypothesis: recipe keys of mixed types, config.json that is not an object, recipe bytes not UTF-8.
     with pytest.raises(ConfigError, match="unsupported key 1"):
         parse_recipe({"merge_method": "ram", "base_model": "b", "models": ["a"], 1: 2})

@@ -239,6 +239,12 @@ class Checkpoint:
                              hint="the file is corrupt or contains code; only plain tensors are loaded") from e
         if not isinstance(state, dict):
             raise InputError("pytorch_model.bin does not hold a state dict", file=str(f))
+        if not all(isinstance(k, str) for k in state):
+            raise InputError("the state dict has keys that are not tensor names", file=str(f),
+                             hint="save the model's state_dict() (names → tensors)")
+        if not any(isinstance(v, torch.Tensor) for v in state.values()):
+            raise InputError("the file holds no tensors at its top level", file=str(f),
+                             hint="a training checkpoint? save the model's state_dict() on its own")
         self._bin[f] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         return {k: TensorInfo(k, v.dtype, tuple(v.shape), f) for k, v in self._bin[f].items()}
 

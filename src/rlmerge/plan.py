@@ -124,6 +124,9 @@ def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: torch.dtype
     plan = Plan(base, agents, jobs=[], tied=tied_tensors(base))
     if not agents:
         problems.append(InputError("no agents given", hint="pass at least one agent after the base"))
+    if not base.tensors:  # the merge would "succeed" with an empty model
+        problems.append(InputError("the base holds no tensors", file=str(base.path),
+                                   hint="point at the base model's folder"))
     for a in agents:
         problems += _config_problems(base, a)
         problems += _tying_problems(base, a, plan)
