@@ -172,14 +172,15 @@ class _Mkdir:
         return (os.mkdir, (str(self.marker),))
 
 
-@pytest.mark.parametrize("container", ["torch.save", "raw pickle"])
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch's note on the raw pickle's protocol
+@pytest.mark.parametrize("container", ["torch.save", "legacy torch.save", "raw pickle"])
 def test_pickle_that_runs_code_is_refused(tmp_path: Path, container: str) -> None:
     m = tmp_path / "m"
     m.mkdir()
     marker = tmp_path / "PWNED"
     payload = {"w": torch.zeros(2), "x": _Mkdir(marker)}
-    if container == "torch.save":
-        torch.save(payload, m / "pytorch_model.bin")
+    if container != "raw pickle":
+        torch.save(payload, m / "pytorch_model.bin", _use_new_zipfile_serialization=container == "torch.save")
     else:
         (m / "pytorch_model.bin").write_bytes(pickle.dumps(payload))
     _refused(m, "weights_only=True", "pytorch_model.bin")
@@ -190,14 +191,16 @@ def test_pickle_that_runs_code_is_refused(tmp_path: Path, container: str) -> Non
     assert probe.exists()
 
 
-def test_bin_checkpoint_merges_like_safetensors(example, tmp_path: Path) -> None:
+@pytest.mark.parametrize("zipfile", [True, False], ids=["zip", "legacy"])
+def test_bin_checkpoint_merges_like_safetensors(example, tmp_path: Path, zipfile: bool) -> None:
     base, agents = example
     from safetensors.torch import load_file
 
     as_bin = tmp_path / "base-bin"
     shutil.copytree(base, as_bin)
     (as_bin / "model.safetensors").unlink()
-    torch.save(load_file(str(base / "model.safetensors")), as_bin / "pytorch_model.bin")
+    torch.save(load_file(str(base / "model.safetensors")), as_bin / "pytorch_model.bin",
+               _use_new_zipfile_serialization=zipfile)  # legacy: the pre-1.6 format, which cannot be mmapped
     rlmerge.merge(base, agents, tmp_path / "st", method="ram")
     rlmerge.merge(as_bin, agents, tmp_path / "bin", method="ram")
     assert_same_tensors(load_output(tmp_path / "bin"), load_output(tmp_path / "st"))

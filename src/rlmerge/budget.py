@@ -10,7 +10,8 @@ Memory is bounded by the block size B (elements) and the number of agents N, nev
 - a fixed ``BASELINE`` for the interpreter, torch and numpy.
 
 ``.bin`` inputs are memory-mapped: the pages they touch count in RSS but are file-backed and reclaimable,
-so they are reported separately and not checked.
+so they are reported separately and not checked (a pre-1.6 non-zip ``.bin`` cannot be mapped and is
+loaded whole: it really occupies that memory).
 """
 
 from __future__ import annotations

@@ -233,7 +233,12 @@ class Checkpoint:
 
     def _bin_file(self, f: Path) -> dict[str, TensorInfo]:
         try:
-            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:  # the pre-1.6 (non-zip) format cannot be memory-mapped: load it whole
+                if "mmap" not in str(e):
+                    raise
+                state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # pickle errors come in many types; all mean "refused"
             raise InputError(f"cannot load with weights_only=True ({type(e).__name__}: {e})", file=str(f),
                              hint="the file is corrupt or contains code; only plain tensors are loaded") from e
