@@ -197,8 +197,9 @@ def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress
 
 def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepared: Any, stats: Statistics,
                writer: CheckpointWriter, progress: Progress, *, collect: bool, seed: int) -> None:
-    with progress.task("merge", total=plan.write_bytes, tensors=len(plan.jobs)) as bar:
-        for job in writer.pending(plan.jobs):
+    pending = writer.pending(plan.jobs)  # a resumed run skips the shards it kept
+    with progress.task("merge", total=sum(j.out_nbytes for j in pending), tensors=len(pending)) as bar:
+        for job in pending:
             writer.begin(job)
             if job.kind == "copy":
                 for start, stop in _spans(job.numel, reader.block_size):
