@@ -233,3 +233,26 @@ def test_cli_exit_code_for_a_broken_input(example, tmp_path: Path, capsys: pytes
     assert code == InputError.exit_code == 3
     assert str(f) in capsys.readouterr().err.replace("\n", "")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_hub_downloads_never_fetch_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub id is fetched with file patterns that match weights, JSON and tokenizer files, never Python."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from rlmerge.checkpoint import resolve
+
+    seen: dict = {}
+
+    def fake_download(repo: str, **kw: object) -> str:
+        seen.update(kw, repo=repo)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert resolve("org/model@v1") == (tmp_path, "v1")
+    patterns = seen["allow_patterns"]
+    for code in ("modeling_evil.py", "configuration_x.py", "sub/__init__.py", "setup.cfg", "run.sh"):
+        assert not any(fnmatch.fnmatch(code, p) for p in patterns), code
+    for data in ("model-00001-of-00002.safetensors", "config.json", "tokenizer.model", "chat_template.jinja"):
+        assert any(fnmatch.fnmatch(data, p) for p in patterns), data
