@@ -123,6 +123,7 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_byt
     metadata = {"rlmerge_method": spec.name}
     fp = fingerprint([plan.base, *plan.agents, *(extras or [])], {
         "method": spec.name, "params": repr(p), "seed": seed, "recipe": recipe, "metadata": metadata,
+        "device": torch.device(device).type,  # float results may differ between CPU and GPU kernels
         "headers": [shard_header(s, metadata).hex() for s in layout_shards(plan.jobs, shard_bytes)]})
     writer = CheckpointWriter(partial, plan.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp)
     with Progress(quiet=quiet) as progress, writer:
