@@ -256,3 +256,25 @@ def test_same_recipe_twice_gives_identical_folders_and_inputs_stay_untouched(exa
                      "--block-size", block]) == 0
     assert _files(tmp_path / "a") == _files(tmp_path / "b")  # shards, index, rlmerge.json, README.md, config
     assert _digest([base, *agents]) == before
+
+
+def test_output_appearing_during_the_merge_is_not_replaced(example, tmp_path: Path, monkeypatch) -> None:
+    base, agents = example
+    out = tmp_path / "out"
+    orig = writer_mod.CheckpointWriter.finish
+
+    def finish(w: writer_mod.CheckpointWriter) -> Path:
+        out.mkdir()  # someone else's finished output lands just before ours is published
+        (out / "theirs").write_text("keep me")
+        return orig(w)
+
+    with monkeypatch.context() as m:
+        m.setattr(writer_mod.CheckpointWriter, "finish", finish)
+        with pytest.raises(OutputError, match="appeared while this run was merging"):
+            rlmerge.merge(base, agents, out, method="ram")
+    assert (out / "theirs").read_text() == "keep me" and _shards_done(out) == 1  # our work is kept too
+    (out / "theirs").unlink()
+    out.rmdir()
+    rlmerge.merge(base, agents, out, method="ram", resume=True)
+    rlmerge.merge(base, agents, tmp_path / "ref", method="ram")
+    assert _files(out) == _files(tmp_path / "ref")

@@ -12,6 +12,7 @@ byte-identical to an uninterrupted run.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -192,19 +193,21 @@ class PartialDir:
     # -- the end ---------------------------------------------------------------------------------------
     def publish(self) -> Path:
         """Rename the finished folder onto the output (replacing it only with --force)."""
-        for name in (PROGRESS, PROGRESS.replace(".json", ".tmp")):
-            with contextlib.suppress(FileNotFoundError):
-                (self.tmp / name).unlink()
+        if self.output.exists() and not self.force:  # appeared while we merged (another run finished first)
+            raise OutputError("the output folder appeared while this run was merging", file=str(self.output),
+                              hint="move it away (or add --force to replace it) and rerun with --resume")
         old = self.output.parent / f".{self.output.name}.rlmerge-old"
         try:
-            if self.output.exists():  # only reached with force
+            if self.output.exists():
                 if old.exists():
                     shutil.rmtree(old)
                 os.replace(self.output, old)
             # The lock file travels with the folder and is removed after the rename, while still held:
             # no second run can claim the partial folder between our last write and the rename.
             os.replace(self.tmp, self.output)
-            (self.output / LOCK).unlink()
+            for name in (LOCK, PROGRESS):  # bookkeeping goes only after the rename: no window loses the work
+                with contextlib.suppress(FileNotFoundError):
+                    (self.output / name).unlink()
         except OSError as e:
             raise disk_error(e, self.output) from e
         shutil.rmtree(old, ignore_errors=True)
@@ -232,8 +235,6 @@ class PartialDir:
 
 
 def disk_error(e: OSError, path: Path) -> OutputError:
-    import errno
-
     if e.errno == errno.ENOSPC:
         return OutputError("the disk is full", file=str(path), hint="free space or write elsewhere (-o)")
     if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
