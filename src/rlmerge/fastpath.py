@@ -13,6 +13,8 @@ in order. Memory stays bounded by the block size: two input slots and two output
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -96,6 +98,42 @@ class _Slot:
         self.written: Future[None] | None = None  # the write of ``out`` still in flight
 
 
+class _WriteQueue:
+    """Calls run in submission order on one daemon thread.
+
+    A daemon thread and a bounded wait on abort: an interrupted merge (Ctrl-C, SIGTERM) must neither wait
+    for nor be kept alive by a write stuck on a slow disk; the interrupted output is partial anyway.
+    """
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._abort = False
+        self._thread = threading.Thread(target=self._loop, name="rlmerge-write", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def _loop(self) -> None:
+        while (item := self._q.get()) is not None:
+            fut, fn, args = item
+            if self._abort:
+                fut.cancel()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                fut.set_exception(e)
+
+    def close(self, *, abort: bool) -> None:
+        self._abort = abort
+        self._q.put(None)
+        self._thread.join(timeout=5.0 if abort else None)
+
+
 class FastPath:
     """Runs the fused kernels over the eligible jobs of a plan; see the module docstring."""
 
@@ -113,13 +151,14 @@ class FastPath:
                 m.handle(f)
         self._compute = ThreadPoolExecutor(self.threads, thread_name_prefix="rlmerge-compute")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="rlmerge-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="rlmerge-write")
+        self._writer = _WriteQueue()
         self._last_write: Future[None] | None = None
 
-    def close(self) -> None:
+    def close(self, *, abort: bool = False) -> None:
+        """Stop the threads; ``abort`` (the merge failed or was interrupted) drops the queued writes."""
         self._compute.shutdown(wait=True, cancel_futures=True)
         self._reader.shutdown(wait=True, cancel_futures=True)
-        self._writer.shutdown(wait=True, cancel_futures=True)
+        self._writer.close(abort=abort)
 
     # -- reading ---------------------------------------------------------------------------------------
     def _read(self, slot: _Slot, job: Job, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -124,6 +125,7 @@ class Statistics:
     agents: list[str]
     epsilon: float
     tensors: dict[str, TensorStats] = field(default_factory=dict)
+    observed: Any = None  # the method's observer from the statistics pass (thresholds, sums), if it has one
 
     @property
     def n_agents(self) -> int:
