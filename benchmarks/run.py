@@ -17,6 +17,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -51,8 +52,7 @@ CASES: dict[str, Case] = {
     "task_arithmetic": Case("task_arithmetic", {}, "task_arithmetic", {"normalize": False, "lambda": 1.0},
                             {"weight": 1.0}),
     "linear": Case("linear", {}, "linear", {"normalize": True}, {"weight": 1.0}),
-    "ties": Case("ties", {"density": 0.5}, "ties", {"normalize": False, "lambda": 1.0},
-                 {"weight": 1.0, "density": 0.5}),
+    "ties": Case("ties", {"density": 0.5}, "ties", {}, {"weight": 1.0, "density": 0.5}),  # both: disjoint mean
 }
 
 
@@ -104,7 +104,7 @@ def mergekit_config(case: Case, base: Path, agents: list[Path]) -> str:
     models = [{"model": str(a), **({"parameters": case.mk_model_params} if case.mk_model_params else {})}
               for a in agents]
     cfg = {"merge_method": case.mergekit, "base_model": str(base), "models": models,
-           "parameters": case.mk_params, "dtype": "bfloat16", "out_dtype": "bfloat16"}
+           "parameters": case.mk_params, "dtype": "float32", "out_dtype": "bfloat16"}  # rlmerge's numeric policy
     if case.mergekit == "linear":  # mergekit's linear averages every model it is given, the base included
         del cfg["base_model"]
     return yaml.safe_dump(cfg, sort_keys=False)
@@ -146,6 +146,9 @@ def main() -> None:
     ap.add_argument("--no-mergekit", action="store_true")
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per rlmerge row; the median is reported")
+    ap.add_argument("--torch-path", action="store_true",
+                    help="also time each method on the torch kernels (RLMERGE_FAST=0): the before/after")
     args = ap.parse_args()
 
     from rlmerge.methods import REGISTRY
@@ -167,6 +170,8 @@ def main() -> None:
         print(f"skip {k}: rlmerge has no method {CASES[k].rlmerge!r} yet", flush=True)
     warm_up([CASES[k] for k in keys], args.workdir)
     rows = [bench_case(k, CASES[k], base, agents, args, floor_s, mk_bin if use_mk else None) for k in keys]
+    if args.torch_path:
+        rows += [bench_case(k, CASES[k], base, agents, args, floor_s, None, torch_path=True) for k in keys]
     for theirs, _, _ in MK_DONE.values():
         shutil.rmtree(theirs, ignore_errors=True)
     print_table(rows, floor_s, tag)
@@ -176,14 +181,21 @@ def main() -> None:
 
 
 def bench_case(key: str, case: Case, base: Path, agents: list[Path], args: argparse.Namespace, floor_s: float,
-               mk_bin: Path | None) -> dict:
+               mk_bin: Path | None, *, torch_path: bool = False) -> dict:
     work = args.workdir
     ours = work / f"out-{key}"
     shutil.rmtree(ours, ignore_errors=True)
     job = {"base": str(base), "agents": [str(a) for a in agents], "out": str(ours), "method": case.rlmerge,
            "params": case.params, "block_size": args.block_size}
-    wall, rss, out = run_child([sys.executable, str(Path(__file__).parent / "_child.py"), json.dumps(job)])
-    merge_s = json.loads(out.strip().splitlines()[-1])["seconds"]
+    env = ["env", "RLMERGE_FAST=0"] if torch_path else []
+    runs = []
+    for _ in range(max(1, args.repeat)):  # the machine is shared and noisy: median of the repeats
+        shutil.rmtree(ours, ignore_errors=True)
+        wall, rss, out = run_child([*env, sys.executable, str(Path(__file__).parent / "_child.py"), json.dumps(job)])
+        runs.append((wall, json.loads(out.strip().splitlines()[-1])["seconds"], rss))
+    wall, merge_s = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    rss = max(r[2] for r in runs)
+    key = f"{key} (torch path)" if torch_path else key
     row = {"method": key, "wall_s": wall, "merge_s": merge_s, "rss_gb": rss, "x_floor": merge_s / floor_s}
     print(f"rlmerge {key}: wall {wall:.1f} s, merge {merge_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
     if mk_bin is not None and case.mergekit is not None:
