@@ -5,20 +5,21 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .blocks import DEFAULT_BLOCK, BlockReader
+from .blocks import DEFAULT_BLOCK, Block, BlockReader
 from .checkpoint import SIDE_FILES, Checkpoint, open_all
 from .errors import ConfigError
 from .methods import BlockContext, MethodSpec, get_method
-from .plan import Plan, build_plan
+from .plan import Job, Plan, build_plan
 from .progress import Progress
 from .provenance import model_card, provenance
+from .report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
 from .stats import Statistics, check_finite
 from .writer import DEFAULT_SHARD_SIZE, CheckpointWriter, parse_size
 
@@ -104,7 +105,10 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, out: Path, *, shard_bytes: int, b
                 result.warnings += _identical_agents(stats)
             _side_files(plan.base, writer, plan)
             writer.write_text("rlmerge.json", provenance(plan, result, recipe))
-            writer.write_text("README.md", model_card(plan, result))
+            # The statistics this merge already collected feed the report: no extra pass.
+            doc = build_report(stats, dtype_facts(plan), base=plan.base.label, warnings=result.warnings)
+            writer.write_text(REPORT_FILE, to_json(doc))
+            writer.write_text("README.md", model_card(plan, result) + "\n" + to_markdown(doc, level=2))
             writer.finish()
     return result
 
@@ -128,13 +132,17 @@ def _agent_files(plan: Plan, name: str) -> list[str]:
     return [str(a.tensors[name].file) if name in a.tensors else str(a.path) for a in plan.agents]
 
 
-def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress: Progress) -> None:
+def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress: Progress, *,
+                    on_block: Callable[[Job, Block], None] | None = None) -> None:
+    """Count every merge job's blocks into ``stats``; ``on_block`` sees each block after (inspect's extras)."""
     jobs = plan.merge_jobs
     with progress.task("statistics", total=sum(j.info.nbytes for j in jobs), tensors=len(jobs)) as bar:
         for job in jobs:
             files = _agent_files(plan, job.name)
             for blk in reader.blocks(job):
                 _count(stats, job.name, job.numel, job.weight, blk.start, blk.deltas, files)
+                if on_block is not None:
+                    on_block(job, blk)
                 bar.advance(blk.n * job.info.dtype.itemsize)
             bar.tensor_done()
 

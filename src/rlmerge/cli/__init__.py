@@ -9,11 +9,13 @@ import typer
 from ..errors import RLMergeError
 from .console import err
 from .demo import demo_command
+from .inspect import inspect_command
 from .merge import merge_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Merge RL-trained agents into one model: exact, streaming RAM / RAM+ and baselines.")
 app.command("merge")(merge_command)
+app.command("inspect")(inspect_command)
 app.command("demo")(demo_command)
 
 
