@@ -29,6 +29,7 @@ QUANTILES = (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 GLOBAL_PRESETS = ("paper", "paper-soft", "official")
 # Mantissa bits of each float dtype: the spacing of representable values at |x| in [2^e, 2^(e+1)) is 2^(e−bits).
 MANTISSA_BITS = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52}
+TORCH_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 MIN_EXPONENT = {"BF16": -126, "F16": -14, "F32": -126, "F64": -1022}  # below it, subnormals: fixed spacing
 # Module types, first match wins; matched against the dot-separated parts of a Hugging Face tensor name.
 MODULES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -115,7 +116,8 @@ def build_report(stats: Statistics, facts: DtypeFacts | None, *, base: str,
         "modules": _groups(stats, module_type, "module"),
         "precision": _precision(stats.magnitudes, facts, stats.epsilon),
     }
-    doc["warnings"] = [*warnings, *_dtype_warnings(doc["per_agent"], facts)]
+    given = list(warnings)
+    doc["warnings"] = [*given, *_dtype_warnings(doc["per_agent"], facts, given)]
     doc["recommendation"] = recommend(doc)
     return doc
 
@@ -227,15 +229,16 @@ def _spacing(x: float, bits: int, min_exp: int) -> float:
     return 2.0 ** (max(math.floor(math.log2(x)), min_exp) - bits)
 
 
-def _dtype_warnings(rows: list[dict[str, Any]], facts: DtypeFacts | None) -> list[str]:
+def _dtype_warnings(rows: list[dict[str, Any]], facts: DtypeFacts | None, given: list[str]) -> list[str]:
+    """One warning per agent stored (partly) in another dtype, unless the plan already warned about it."""
     if facts is None:
         return []
-    base = "/".join(k.lower() for k in sorted(facts.base))
+    base = "/".join(TORCH_NAMES.get(k, k) for k in sorted(facts.base))
     out = []
     for row, dtypes, n in zip(rows, facts.agents, facts.differs):
-        if n:
-            stored = "/".join(k.lower() for k in sorted(dtypes) if k not in facts.base) or "another dtype"
-            out.append(f"agent {row['agent']} stores {n:,} elements in {stored} against a {base} base: rounding "
-                       f"differences count as changes, so its density is inflated; re-save it in the base's dtype "
-                       f"before judging")
+        if n and not any(w.startswith(f"agent {row['agent']} stores") for w in given):
+            stored = "/".join(TORCH_NAMES.get(k, k) for k in sorted(dtypes) if k not in facts.base)
+            out.append(f"agent {row['agent']} stores {n:,} elements in {stored or 'another dtype'} against a {base} "
+                       f"base: rounding differences count as changes, so its density is inflated; re-save it in "
+                       f"the base's dtype before judging")
     return out
