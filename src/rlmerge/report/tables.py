@@ -55,18 +55,19 @@ def sections(doc: dict[str, Any]) -> list[Section]:
 
 
 def _agents(doc: dict[str, Any]) -> Section:
-    cols = ["agent", "density", "value changed", "changed", "unique", "ρ", "dtype"]
+    extras = doc["extras"]  # "value changed" is an inspect-only counter
+    cols = ["agent", "density", *(["value changed"] if extras else []), "changed", "unique", "ρ", "dtype"]
     rows = []
     for r, name in zip(doc["per_agent"], display_names(doc["agents"])):
         dtypes = "/".join(k.lower() for k in sorted(r["dtypes"] or {})) or "–"
         if r["dtype_differs_elements"]:
             dtypes += " (≠ base)"
-        rows.append([name, pct(r["density"]), pct(r["value_changed_density"]), fnum(r["changed"]),
-                     pct(r["unique_share"]), fnum(r["rho"]), dtypes])
-    note = (f"{doc['elements']:,} elements in {doc['tensors']} tensors. density: |τ| > {doc['epsilon']:g}; value "
-            "changed: τ ≠ 0 (a changed stored value when agent and base share a dtype); unique: share of the "
-            "agent's changed elements no other agent changed; ρ = shared / unique.")
-    return Section("Task vectors per agent", cols, rows, note, set(range(1, 6)))
+        rows.append([name, pct(r["density"]), *([pct(r["value_changed_density"])] if extras else []),
+                     fnum(r["changed"]), pct(r["unique_share"]), fnum(r["rho"]), dtypes])
+    note = (f"{doc['elements']:,} elements in {doc['tensors']} tensors. density: |τ| > {doc['epsilon']:g}; "
+            + ("value changed: τ ≠ 0 (a changed stored value when agent and base share a dtype); " if extras else "")
+            + "unique: share of the agent's changed elements no other agent changed; ρ = shared / unique.")
+    return Section("Task vectors per agent", cols, rows, note, set(range(1, len(cols) - 1)))
 
 
 def _magnitudes(doc: dict[str, Any]) -> Section:
