@@ -122,3 +122,12 @@ def test_unique_probe(example, tmp_path: Path) -> None:
             scale = 1 / 3 if divide else 1.0
             want = torch.where(only, bt.float() + taus[1] * scale, bt.float()).to(bt.dtype)
             assert torch.equal(got[name], want), name
+
+
+@pytest.mark.parametrize("method", ["ram", "ram+"])
+def test_unchanged_elements_are_the_base_bit_for_bit(tmp_path: Path, method: str) -> None:
+    # −0.0 + 0.0 would be +0.0: an unchanged element must come back exactly, sign of zero included.
+    b, ags = _tiny(tmp_path, [-0.0, 1.0, -0.0], [[-0.0, 2.0, 0.5], [-0.0, 1.0, -0.0]])
+    rlmerge.merge(b, ags, tmp_path / "o", method=method)
+    got = load_output(tmp_path / "o")["w"]
+    assert torch.signbit(got[0]) and got[0] == 0.0

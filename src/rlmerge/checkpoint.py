@@ -74,7 +74,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
                                  hint="the download is incomplete or the file is not safetensors")
             n = int.from_bytes(head, "little")
             if n > MAX_HEADER_BYTES or n + 8 > size:
-                raise InputError(f"safetensors header claims {n} bytes (file has {size})",
+                raise InputError(f"safetensors header claims {n} bytes but only {size - 8} follow",
                                  file=str(path), hint="the file is truncated or corrupt; download it again")
             raw = f.read(n)
     except OSError as e:

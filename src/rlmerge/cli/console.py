@@ -3,4 +3,4 @@
 from rich.console import Console
 
 out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # paths stay on one line, greppable

@@ -98,6 +98,7 @@ def print_result(res: MergeResult) -> None:
     for c in cols:
         table.add_column({"rho": "ρ", "lambda": "λ"}.get(c, c), justify="left" if c == "agent" else "right")
     for row in rows:
+        row = {**row, "agent": Path(row["agent"]).name or row["agent"]}  # full paths are in rlmerge.json
         table.add_row(*(_fmt(c, row[c]) for c in cols))
     out.print(table)
     gb = (res.read_bytes + res.write_bytes) / 1e9
