@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rlmerge-inspect-bench"))
     ap.add_argument("--block-size", type=int, default=None, help="elements per block (default: rlmerge's)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints for another run")
+    ap.add_argument("--merge", action="store_true", help="also measure `rlmerge merge --method ram+` for comparison")
     args = ap.parse_args()
     t0 = time.perf_counter()
     base, agents = build(args.workdir)
@@ -86,10 +87,22 @@ def main() -> None:
     if args.block_size:
         cmd += ["--block-size", str(args.block_size)]
     kb, wall, _ = peak_rss(cmd)
+    merge_kb = merge_wall = None
+    if args.merge:
+        out = args.workdir / "merged"
+        shutil.rmtree(out, ignore_errors=True)
+        merge = [*cmd[:3], "merge", str(base), *map(str, agents), "-o", str(out), "-q", "--method", "ram+"]
+        merge += ["--block-size", str(args.block_size)] if args.block_size else []
+        merge_kb, merge_wall, _ = peak_rss(merge)
+        shutil.rmtree(out)
     elements = sum(torch.Size(s).numel() for s in tensor_shapes(QWEN25_05B).values())
     print(f"model: Qwen2.5-0.5B shape, {elements:,} elements, {model_bytes / 2**20:,.0f} MiB per checkpoint (bf16)")
     print(f"peak RSS, import only:        {idle / 1024:,.0f} MiB")
-    print(f"peak RSS, rlmerge inspect:    {kb / 1024:,.0f} MiB  (1 base + {len(agents)} agents, {wall:.0f} s wall)")
+    block = f"block size {args.block_size:,}" if args.block_size else "default block size"
+    print(f"peak RSS, rlmerge inspect:    {kb / 1024:,.0f} MiB  (1 base + {len(agents)} agents, {block}, "
+          f"{wall:.0f} s wall)")
+    if merge_kb is not None:
+        print(f"peak RSS, rlmerge merge ram+: {merge_kb / 1024:,.0f} MiB  ({merge_wall:.0f} s wall, same inputs)")
     if not args.keep:
         shutil.rmtree(args.workdir)
 

@@ -86,7 +86,7 @@ def heatmap_figure(doc: dict[str, Any], key: str = "layers") -> Figure:
     groups = doc[key]
     agents = display_names(doc["agents"])
     data = [[100 * (d or 0.0) for d in g["density"]] for g in groups]
-    fig = _figure(max(4.5, 1.1 * len(agents) + 2.5), max(3.0, 0.28 * len(groups) + 1.5))
+    fig = _figure(max(4.5, 1.1 * len(agents) + 2.5), max(3.0, 0.22 * len(groups) + 1.5))
     ax = fig.add_subplot()
     im = ax.imshow(data, aspect="auto", cmap="magma", vmin=0, vmax=max(max(r) for r in data) if data else 1)
     ax.set_xticks(range(len(agents)), agents)
