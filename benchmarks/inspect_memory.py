@@ -7,11 +7,16 @@ to the peak RSS of a process that only imports rlmerge (torch included) and the 
     .venv/bin/python benchmarks/inspect_memory.py [--workdir DIR] [--block-size N] [--keep]
 
 Not part of the test suite: it writes ~4 GB and takes minutes on 2 cores.
+
+glibc's malloc raises its mmap threshold as large blocks are freed, after which block-sized temporaries of
+varying sizes fragment the heap and RSS grows with the number of tensors. Run once as is and once with
+``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment (inherited by the child) to see the difference.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -96,6 +101,7 @@ def main() -> None:
         merge_kb, merge_wall, _ = peak_rss(merge)
         shutil.rmtree(out)
     elements = sum(torch.Size(s).numel() for s in tensor_shapes(QWEN25_05B).values())
+    print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', '(unset)')}")
     print(f"model: Qwen2.5-0.5B shape, {elements:,} elements, {model_bytes / 2**20:,.0f} MiB per checkpoint (bf16)")
     print(f"peak RSS, import only:        {idle / 1024:,.0f} MiB")
     block = f"block size {args.block_size:,}" if args.block_size else "default block size"
