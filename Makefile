@@ -11,7 +11,6 @@ MERGEKIT_VENV ?= .venv-mergekit
 # torch goes in first, alone and pinned: the CPU build. An unpinned torch pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	touch $@

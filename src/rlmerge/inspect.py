@@ -9,16 +9,32 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from .blocks import DEFAULT_BLOCK, Block, BlockReader
+import torch
+
+from .blocks import DEFAULT_BLOCK, BlockReader
 from .checkpoint import open_all
 from .errors import ConfigError, RLMergeError, raise_all
 from .merge import statistics_pass
-from .plan import Job, build_plan
+from .methods import BlockContext
+from .plan import build_plan
 from .progress import Progress
 from .report import Report, build_report, dtype_facts
 from .stats import Magnitudes, Statistics
 
 DEFAULT_THRESHOLDS = (1e-6, 1e-5, 1e-4, 1e-3)
+
+
+class MagnitudeObserver:
+    """Feeds each block of the statistics pass into the |τ| / |θ₀| histograms (the engine's observer protocol)."""
+
+    def __init__(self, mags: Magnitudes) -> None:
+        self.mags = mags
+
+    def observe(self, ctx: BlockContext, base: torch.Tensor, deltas: torch.Tensor) -> None:
+        self.mags.update(base, deltas, ctx.tensor_stats.weight if ctx.tensor_stats is not None else 1)
+
+    def again(self, name: str | None) -> bool:
+        return False  # one pass is enough
 
 
 def _check(epsilon: float, thresholds: Sequence[float]) -> tuple[float, ...]:
@@ -46,12 +62,8 @@ def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
         mags = Magnitudes(len(plan.agents))
         stats = Statistics([a.label for a in plan.agents], float(epsilon), thresholds=extra, magnitudes=mags)
         reader = BlockReader(plan, block_size=block_size, device=device)
-
-        def on_block(job: Job, blk: Block) -> None:
-            mags.update(blk.base, blk.deltas, job.weight)
-
         with Progress(quiet=quiet) as progress:
-            statistics_pass(plan, reader, stats, progress, on_block=on_block)
+            statistics_pass(plan, reader, stats, progress, MagnitudeObserver(mags))
         identical = [f"agent {a} is identical to the base (no element with |τ| > ε): it contributes nothing"
                      for a, c in zip(stats.agents, stats.changed) if c == 0]
         doc = build_report(stats, dtype_facts(plan), base=plan.base.label, warnings=[*plan.warnings, *identical])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,15 +13,17 @@ from typing import Any
 import torch
 
 from .blocks import DEFAULT_BLOCK, Block, BlockReader
+from .budget import check_memory, estimate_memory
 from .checkpoint import SIDE_FILES, Checkpoint, open_all
-from .errors import ConfigError
+from .errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
 from .methods import BlockContext, MethodSpec, get_method
+from .partial import PartialDir, check_output_location, fingerprint
 from .plan import Job, Plan, build_plan
 from .progress import Progress
 from .provenance import model_card, provenance
 from .report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
 from .stats import Statistics, check_finite
-from .writer import DEFAULT_SHARD_SIZE, CheckpointWriter, parse_size
+from .writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, parse_size, shard_header
 
 DTYPE_ALIASES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -56,12 +58,15 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           *, method: str = "ram+", params: Mapping[str, Any] | None = None, dtype: str | None = None,
           shard_size: str | int = DEFAULT_SHARD_SIZE, block_size: int = DEFAULT_BLOCK, device: str = "cpu",
           force: bool = False, allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
-          quiet: bool = True, recipe: Mapping[str, Any] | None = None) -> MergeResult:
+          quiet: bool = True, recipe: Mapping[str, Any] | None = None, resume: bool = False) -> MergeResult:
     """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
 
     >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
     ...                     params={"preset": "paper", "r": 0.1, "alpha": 2.0})  # doctest: +SKIP
     >>> res.lambdas  # doctest: +SKIP
+
+    ``resume=True`` continues a run that was interrupted (Ctrl-C, SIGTERM, disk full) after its last
+    complete shard; the output is byte-identical to an uninterrupted run.
     """
     t0 = time.perf_counter()
     spec = get_method(method)
@@ -69,13 +74,24 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     out_dtype = parse_dtype(dtype)
     shard_bytes = parse_size(shard_size)
     out = Path(output)
-    CheckpointWriter(out, [], force=force)  # refuses an existing output now, before any work
-    models = open_all([base, *agents])
+    if out.exists() and not force:  # refused now, before any work
+        raise OutputError("output folder already exists", file=str(out),
+                          hint="choose another -o, or pass --force to replace it")
+    extra_specs = spec.extra_inputs(p) or ()
+    if extra_specs and len(extra_specs) != len(agents):
+        raise ConfigError(f"method {spec.name!r}: {len(extra_specs)} side input(s) given for {len(agents)} agent(s)",
+                          hint="give one per agent, in the order the agents are listed")
+    models = open_all([base, *agents, *extra_specs])
+    extras = models[1 + len(agents):]
     try:
-        plan = build_plan(models[0], models[1:], dtype=out_dtype, allow_missing=allow_missing,
+        check_output_location(out, models)
+        plan = build_plan(models[0], models[1:1 + len(agents)], dtype=out_dtype, allow_missing=allow_missing,
                           count_tied_twice=count_tied_twice)
-        result = _run(plan, spec, p, out, shard_bytes=shard_bytes, block_size=block_size, device=device,
-                      force=force, seed=seed, quiet=quiet, recipe=recipe)
+        check_side_inputs(plan, extras)
+        check_memory(estimate_memory(plan.base, [*plan.agents, *extras], block_size), len(plan.agents))
+        with PartialDir(out, force=force, resume=resume) as partial:
+            result = _run(plan, spec, p, partial, shard_bytes=shard_bytes, block_size=block_size, device=device,
+                          seed=seed, quiet=quiet, recipe=recipe, extras=extras)
     finally:
         for m in models:
             m.close()
@@ -83,33 +99,58 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     return result
 
 
-def _run(plan: Plan, spec: MethodSpec, p: Any, out: Path, *, shard_bytes: int, block_size: int, device: str,
-         force: bool, seed: int, quiet: bool, recipe: Mapping[str, Any] | None) -> MergeResult:
+def check_side_inputs(plan: Plan, extras: list[Checkpoint]) -> None:
+    """Every merged tensor must be in every side input (e.g. a Fisher file), with the base's shape."""
+    problems: list[RLMergeError] = []
+    for ckpt in extras:
+        for job in plan.merge_jobs:
+            info = ckpt.tensors.get(job.name)
+            if info is None:
+                problems.append(InputError("tensor missing from the side input", file=str(ckpt.path),
+                                           tensor=job.name, hint="it must hold every float tensor of the base"))
+            elif info.shape != job.info.shape or not info.is_float:
+                problems.append(InputError(f"side input stores {list(info.shape)} where the base has "
+                                           f"{list(job.info.shape)}", file=str(info.file), tensor=job.name,
+                                           hint="it was computed for another model; recompute it"))
+    raise_all(problems)
+
+
+def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_bytes: int, block_size: int,
+         device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
+         extras: list[Checkpoint] | None = None) -> MergeResult:
     stats = Statistics([a.label for a in plan.agents], spec.epsilon(p))
-    reader = BlockReader(plan, block_size=block_size, device=device)
-    two_pass = spec.needs_stats(p)
-    with Progress(quiet=quiet) as progress:
+    reader = BlockReader(plan, block_size=block_size, device=device, rows=spec.row_blocks(p), extras=extras or None)
+    observer = spec.observer(p, len(plan.agents))
+    metadata = {"rlmerge_method": spec.name}
+    fp = fingerprint([plan.base, *plan.agents, *(extras or [])], {
+        "method": spec.name, "params": repr(p), "seed": seed, "recipe": recipe, "metadata": metadata,
+        "device": torch.device(device).type,  # float results may differ between CPU and GPU kernels
+        "headers": [shard_header(s, metadata).hex() for s in layout_shards(plan.jobs, shard_bytes)]})
+    writer = CheckpointWriter(partial, plan.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp)
+    with Progress(quiet=quiet) as progress, writer:
+        needs_stats = spec.needs_stats(p) or observer is not None
+        # A resumed run skips the kept shards' tensors in the merge pass, so it gathers the statistics
+        # (for the report, and for RAM+'s ρ) in a statistics pass over the whole model first.
+        two_pass = needs_stats or partial.resumed > 0
         if two_pass:
-            statistics_pass(plan, reader, stats, progress)
-        prepared = spec.prepare(p, stats if two_pass else None, len(plan.agents))
+            statistics_pass(plan, reader, stats, progress, observer, seed=seed)
+            stats.observed = observer
+        prepared = spec.prepare(p, stats if needs_stats else None, len(plan.agents))
         warnings = [*plan.warnings, *getattr(prepared, "warnings", ())]
-        result = MergeResult(out, spec.name, p, stats, warnings=warnings, read_bytes=plan.read_bytes,
+        result = MergeResult(partial.output, spec.name, p, stats, warnings=warnings, read_bytes=plan.read_bytes,
                              write_bytes=plan.write_bytes)
         if prepared is not None and hasattr(prepared, "lambdas"):
             result.lambdas, result.rho = list(prepared.lambdas), list(prepared.rho)
-        writer = CheckpointWriter(out, plan.jobs, shard_size=shard_bytes, force=force,
-                                  metadata={"rlmerge_method": spec.name})
-        with writer:
-            merge_pass(plan, reader, spec, p, prepared, stats, writer, progress, collect=not two_pass, seed=seed)
-            if not two_pass:
-                result.warnings += _identical_agents(stats)
-            _side_files(plan.base, writer, plan)
-            writer.write_text("rlmerge.json", provenance(plan, result, recipe))
-            # The statistics this merge already collected feed the report: no extra pass.
-            doc = build_report(stats, dtype_facts(plan), base=plan.base.label, warnings=result.warnings)
-            writer.write_text(REPORT_FILE, to_json(doc))
-            writer.write_text("README.md", model_card(plan, result) + "\n" + to_markdown(doc, level=2))
-            writer.finish()
+        merge_pass(plan, reader, spec, p, prepared, stats, writer, progress, collect=not two_pass, seed=seed)
+        if not needs_stats:
+            result.warnings += _identical_agents(stats)
+        _side_files(plan.base, writer, plan)
+        writer.write_text("rlmerge.json", provenance(plan, result, recipe))
+        # The statistics this merge already collected feed the report: no extra pass.
+        doc = build_report(stats, dtype_facts(plan), base=plan.base.label, warnings=result.warnings)
+        writer.write_text(REPORT_FILE, to_json(doc))
+        writer.write_text("README.md", model_card(plan, result) + "\n" + to_markdown(doc, level=2))
+        writer.finish()
     return result
 
 
@@ -132,25 +173,38 @@ def _agent_files(plan: Plan, name: str) -> list[str]:
     return [str(a.tensors[name].file) if name in a.tensors else str(a.path) for a in plan.agents]
 
 
-def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress: Progress, *,
-                    on_block: Callable[[Job, Block], None] | None = None) -> None:
-    """Count every merge job's blocks into ``stats``; ``on_block`` sees each block after (inspect's extras)."""
+def _ctx(job: Job, blk: Block, prepared: Any, stats: Statistics, seed: int) -> BlockContext:
+    return BlockContext(job.name, blk.start, blk.stop, job.info.shape, job.present, prepared,
+                        stats.tensors.get(job.name), seed, blk.extra)
+
+
+def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress: Progress, observer: Any = None,
+                    *, seed: int = 0) -> None:
+    """Count every block; feed the method's observer, streaming a tensor (or the model) again if it asks."""
     jobs = plan.merge_jobs
     with progress.task("statistics", total=sum(j.info.nbytes for j in jobs), tensors=len(jobs)) as bar:
         for job in jobs:
             files = _agent_files(plan, job.name)
             for blk in reader.blocks(job):
                 _count(stats, job.name, job.numel, job.weight, blk.start, blk.deltas, files)
-                if on_block is not None:
-                    on_block(job, blk)
+                if observer is not None:
+                    observer.observe(_ctx(job, blk, None, stats, seed), blk.base, blk.deltas)
                 bar.advance(blk.n * job.info.dtype.itemsize)
+            while observer is not None and observer.again(job.name):  # e.g. refine a per-tensor top-k
+                for blk in reader.blocks(job):
+                    observer.observe(_ctx(job, blk, None, stats, seed), blk.base, blk.deltas)
             bar.tensor_done()
+    while observer is not None and observer.again(None):  # e.g. refine a whole-model top-k
+        for job in jobs:
+            for blk in reader.blocks(job):
+                observer.observe(_ctx(job, blk, None, stats, seed), blk.base, blk.deltas)
 
 
 def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepared: Any, stats: Statistics,
                writer: CheckpointWriter, progress: Progress, *, collect: bool, seed: int) -> None:
-    with progress.task("merge", total=plan.write_bytes, tensors=len(plan.jobs)) as bar:
-        for job in plan.jobs:
+    pending = writer.pending(plan.jobs)  # a resumed run skips the shards it kept
+    with progress.task("merge", total=sum(j.out_nbytes for j in pending), tensors=len(pending)) as bar:
+        for job in pending:
             writer.begin(job)
             if job.kind == "copy":
                 for start, stop in _spans(job.numel, reader.block_size):
@@ -164,9 +218,7 @@ def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepar
                     _count(stats, job.name, job.numel, job.weight, blk.start, blk.deltas, files)
                 else:
                     check_finite(blk.deltas, blk.deltas.sum(1), name=job.name, files=files, start=blk.start)
-                ctx = BlockContext(job.name, blk.start, blk.stop, job.info.shape, job.present, prepared,
-                                   stats.tensors.get(job.name), seed)
-                merged = spec.merge(blk.base, blk.deltas, p, ctx)
+                merged = spec.merge(blk.base, blk.deltas, p, _ctx(job, blk, prepared, stats, seed))
                 writer.write(merged.to(job.out_dtype).cpu())
                 bar.advance(blk.n * job.out_dtype.itemsize)
             bar.tensor_done()

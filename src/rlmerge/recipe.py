@@ -20,8 +20,9 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError, RLMergeError, raise_all
+from .mergekit_names import translate
 
-TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "options", "tokenizer_source"}
+TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "options", "tokenizer_source"}
 MODEL_KEYS = {"model", "parameters"}
 OPTIONS = {"shard_size", "block_size", "allow_missing", "count_tied_twice", "seed", "device"}
 
@@ -40,12 +41,19 @@ class Recipe:
 def load_recipe(path: str | Path) -> Recipe:
     p = Path(path)
     try:
-        doc = yaml.safe_load(p.read_text())
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
     except OSError as e:
         raise ConfigError(f"cannot read recipe: {e.strerror}", file=str(p)) from e
-    except yaml.YAMLError as e:
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"recipe is not UTF-8 text: {e}", file=str(p)) from e
+    except (yaml.YAMLError, RecursionError) as e:
         raise ConfigError(f"recipe is not valid YAML: {e}", file=str(p)) from e
     return parse_recipe(doc, where=str(p))
+
+
+def _unknown(mapping: dict[Any, Any], known: set[str]) -> list[Any]:
+    """Keys not in ``known``, sorted by their text (YAML keys may be numbers, lists' reprs, None)."""
+    return sorted((k for k in mapping if k not in known), key=repr)
 
 
 def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
@@ -56,20 +64,25 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
     def bad(msg: str, hint: str | None = None) -> None:
         problems.append(ConfigError(msg, file=where, hint=hint))
 
-    for key in sorted(set(doc) - TOP_KEYS):
+    for key in _unknown(doc, TOP_KEYS):
         bad(f"unsupported key {key!r}", hint=f"supported keys: {', '.join(sorted(TOP_KEYS))}")
     method = doc.get("merge_method")
     if not isinstance(method, str):
         bad("merge_method is missing or not a string")
     base = doc.get("base_model")
+    models = doc.get("models")
+    # mergekit's linear needs no base: the first model then serves as the plan's reference, and stays an agent.
+    linear = method == "linear"
+    if base is None and linear and isinstance(models, list) and models:
+        first = models[0]
+        base = first if isinstance(first, str) else (first or {}).get("model") if isinstance(first, dict) else None
     if not isinstance(base, str):
         bad("base_model is missing or not a string (a folder or a hub id)")
     if doc.get("tokenizer_source", "base") != "base":
         bad(f"tokenizer_source {doc['tokenizer_source']!r} is not supported",
             hint="rlmerge keeps the base's tokenizer: use tokenizer_source: base")
     agents: list[str] = []
-    weights: list[float | None] = []
-    models = doc.get("models")
+    per_model: list[dict[str, Any]] = []
     if not isinstance(models, list) or not models:
         bad("models must be a non-empty list of {model: PATH}")
         models = []
@@ -78,34 +91,32 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
         if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
             bad(f"models[{i}] needs a 'model' path")
             continue
-        for key in sorted(set(entry) - MODEL_KEYS):
+        for key in _unknown(entry, MODEL_KEYS):
             bad(f"models[{i}]: unsupported key {key!r}")
         mp = entry.get("parameters") or {}
         if not isinstance(mp, dict):
             bad(f"models[{i}].parameters must be a mapping")
             mp = {}
-        for key in sorted(set(mp) - {"weight"}):
-            bad(f"models[{i}]: per-model parameter {key!r} is not supported", hint="set it under parameters")
-        if entry["model"] == base:
-            continue  # mergekit recipes may list the base among the models; it is not an agent
+        if entry["model"] == base and not linear:
+            continue  # mergekit recipes may list the base among the models; it is not an agent (but is in linear)
         agents.append(entry["model"])
-        weights.append(mp.get("weight"))
+        per_model.append(dict(mp))
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         bad("parameters must be a mapping")
         params = {}
-    params = dict(params)
-    if any(w is not None for w in weights):
-        if "weights" in params:
-            bad("weights given both per model and under parameters")
-        params["weights"] = tuple(1.0 if w is None else w for w in weights)
+    if any("weight" in m for m in per_model) and "weights" in params:
+        bad("weights given both per model and under parameters")
+    method, params, problems_mk = translate(str(method), params, per_model)
+    for msg in problems_mk:
+        bad(msg)
     options = doc.get("options") or {}
     if not isinstance(options, dict):
         bad("options must be a mapping")
         options = {}
-    for key in sorted(set(options) - OPTIONS):
+    for key in _unknown(options, OPTIONS):
         bad(f"unsupported option {key!r}", hint=f"supported options: {', '.join(sorted(OPTIONS))}")
-    dtype = doc.get("dtype")
+    dtype = doc.get("out_dtype", doc.get("dtype"))  # mergekit computes in dtype and writes out_dtype
     raise_all(problems)
     return Recipe(str(method), str(base), agents, params, None if dtype is None else str(dtype), dict(options),
                   raw=doc)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,6 +112,7 @@ class Statistics:
     agents: list[str]
     epsilon: float
     tensors: dict[str, TensorStats] = field(default_factory=dict)
+    observed: Any = None  # the method's observer from the statistics pass (thresholds, sums), if it has one
     thresholds: tuple[float, ...] = ()  # extra counters (inspect): density at each of these thresholds
     magnitudes: Magnitudes | None = None  # extra (inspect): histogram of |τ| and |θ₀|, fed by the caller
 

@@ -35,6 +35,7 @@ class BlockContext:
     prepared: Any  # what the method's prepare() returned
     tensor_stats: TensorStats | None  # None when the method ran without a statistics pass
     seed: int = 0
+    extra: torch.Tensor | None = None  # [N, n] float32 side inputs of the block (e.g. Fisher), if any
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,13 @@ class MethodSpec:
     needs_stats: Callable[[Any], bool] = lambda p: False
     prepare: Callable[[Any, Statistics | None, int], Any] = lambda p, s, n: None
     epsilon: Callable[[Any], float] = lambda p: getattr(p, "epsilon", 1e-5)
+    # Optional: an object fed every block of the statistics pass (``observe(ctx, base, deltas)``); after each
+    # tensor and after the whole model, ``again(name | None)`` may ask for that range to be streamed once more
+    # (exact order statistics need a second look). prepare() finds it as ``stats.observed``.
+    observer: Callable[[Any, int], Any] = lambda p, n: None
+    row_blocks: Callable[[Any], bool] = lambda p: False  # blocks hold whole rows (shape[1:]) of each tensor
+    # Per-agent side inputs (folders shaped like the agents, e.g. Fisher diagonals), read blockwise as ``extra``.
+    extra_inputs: Callable[[Any], tuple[str, ...] | None] = lambda p: None
 
     def parse(self, values: Mapping[str, Any] | None) -> Any:
         """Build the parameter dataclass from loose values (CLI, YAML); all problems at once."""
@@ -60,14 +68,14 @@ def parse_params(cls: type, values: Mapping[str, Any], *, where: str) -> Any:
     problems: list[RLMergeError] = []
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
-        k = key.replace("-", "_")
+        k = str(key).replace("-", "_")  # YAML keys may be numbers
         if k not in fields:
             problems.append(ConfigError(f"unknown parameter {key!r} for {where}",
                                         hint=f"known parameters: {', '.join(fields) or 'none'}"))
             continue
         try:
             kwargs[k] = _coerce(value, hints[k])
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             problems.append(ConfigError(f"parameter {key!r} of {where}: {e}"))
     raise_all(problems)
     try:
@@ -131,14 +139,15 @@ def check_range(where: str, name: str, value: float, lo: float, hi: float, *,
 
 
 def _registry() -> dict[str, MethodSpec]:
-    from . import ram, task_arithmetic
+    from . import fisher, gta, model_stock, ram, slerp, task_arithmetic
 
-    specs = [*ram.METHODS, *task_arithmetic.METHODS]
+    specs = [*ram.METHODS, *task_arithmetic.METHODS, *gta.METHODS, *slerp.METHODS, *model_stock.METHODS,
+             *fisher.METHODS]
     return {s.name: s for s in specs}
 
 
 REGISTRY: dict[str, MethodSpec] = _registry()
-ALIASES = {"ramplus": "ram+", "ram_plus": "ram+", "ta": "task_arithmetic"}
+ALIASES = {"ramplus": "ram+", "ram_plus": "ram+", "ta": "task_arithmetic", "dare_linear": "dare_ta"}
 
 
 def get_method(name: str) -> MethodSpec:
