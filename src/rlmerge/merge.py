@@ -32,6 +32,7 @@ from .partial import PartialDir, check_output_location, fingerprint
 from .plan import Job, Plan, build_plan
 from .progress import Progress
 from .provenance import model_card, provenance
+from .report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
 from .stats import Statistics, check_finite
 from .writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, parse_size, shard_header
 
@@ -158,7 +159,10 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_byt
             result.warnings += _identical_agents(stats)
         _side_files(plan.base, writer, plan)
         writer.write_text("rlmerge.json", provenance(plan, result, recipe))
-        writer.write_text("README.md", model_card(plan, result))
+        # The statistics this merge already collected feed the report: no extra pass.
+        doc = build_report(stats, dtype_facts(plan), base=plan.base.label, warnings=result.warnings)
+        writer.write_text(REPORT_FILE, to_json(doc))
+        writer.write_text("README.md", model_card(plan, result) + "\n" + to_markdown(doc, level=2))
         writer.finish()
     return result
 

@@ -15,6 +15,7 @@ from ..errors import Interrupted, RLMergeError
 from .console import err
 from .demo import demo_command
 from .fisher import fisher_command
+from .inspect import inspect_command
 from .merge import merge_command
 from .plan import plan_command
 
@@ -42,6 +43,7 @@ app.command("merge")(_interruptible(merge_command))
 app.command("plan")(plan_command)
 app.command("demo")(_interruptible(demo_command))
 app.command("fisher")(_interruptible(fisher_command))
+app.command("inspect")(_interruptible(inspect_command))
 
 
 def main(argv: list[str] | None = None) -> int:
