@@ -217,7 +217,7 @@ def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress
     """Count every block; feed the method's observer, streaming a tensor (or the model) again if it asks."""
     jobs = plan.merge_jobs
     with progress.task("statistics", total=sum(j.info.nbytes for j in jobs), tensors=len(jobs)) as bar:
-        if fast is not None and observer is None:  # fused kernel for the eligible jobs, torch for the rest
+        if fast is not None and observer is None and not stats.thresholds:  # fused kernel for eligible jobs
             statistics_pass_fast(fast, [j for j in jobs if eligible(plan, j)], stats, bar)
             jobs = [j for j in jobs if not eligible(plan, j)]
         for job in jobs:
@@ -241,6 +241,8 @@ def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepar
                writer: CheckpointWriter, progress: Progress, *, collect: bool, seed: int,
                fast: FastPath | None = None) -> None:
     pending = writer.pending(plan.jobs)  # a resumed run skips the shards it kept
+    # inspect's extra counters (stats.thresholds) are torch-path only
+    fast = fast if not stats.thresholds else None
     fast_jobs = [j for j in pending if eligible(plan, j)] if fast is not None else []
     fast_blocks = fast.blocks(list(fast_jobs)) if fast is not None else iter(())
     out = OrderedWriter(writer, fast)  # fast path: writes queued on a writer thread, in plan order
