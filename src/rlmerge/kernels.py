@@ -6,7 +6,8 @@ arithmetic element by element in one loop: decode bf16 → float32, τ_t = θ_t 
 the merge rule, the statistics, and the rounding to the output dtype. They are an optional fast path:
 ``pip install rlmerge[fast]`` adds numba; without it the torch kernels run. numba is imported (and the kernels
 loaded from its on-disk cache, or compiled once) only when a merge takes the fast path. Every float32 operation is
-the torch kernel's, in the same order, with no fast-math (no FMA contraction), so the bytes written are
+the torch kernel's, in the same order, with no fast-math (no FMA contraction; only the float64 statistics sums
+are reassociated), so the bytes written are
 identical (tests/test_fastpath.py checks it bit for bit).
 
 Statistics are gathered as a histogram of a per-element *pattern code*: bit t set when agent t changed
