@@ -7,7 +7,10 @@ tensor: page faults on fresh allocations cost more than the arithmetic here.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -33,6 +36,20 @@ class Block:
         return self.stop - self.start
 
 
+def pin_malloc_threshold(limit: int = 1 << 20) -> None:
+    """Keep glibc from growing the heap with every block-sized temporary.
+
+    After a large free, glibc raises its mmap threshold dynamically; block-sized temporaries of varying
+    sizes then come from the heap and fragment it, so RSS grows with the number of tensors instead of
+    staying bounded by the block size (measured on the 0.5B set: 1.58 GB → see docs/benchmarks.md).
+    A fixed threshold hands such buffers back to the OS on free. No-op off glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-3, limit)  # -3 = M_MMAP_THRESHOLD
+
+
 class BlockReader:
     """Yields the blocks of a merge job, reading the base and every agent into reused buffers."""
 
@@ -46,6 +63,7 @@ class BlockReader:
         self.device = torch.device(device)
         self.rows = rows  # blocks hold whole rows: a multiple of shape[1:], at least one row
         self.extras = extras
+        pin_malloc_threshold()
         self._alloc(self.block_size)
 
     def _alloc(self, size: int) -> None:
