@@ -1,0 +1,73 @@
+"""Memory: answer a question whose answer is buried in a long context of distractor facts.
+
+The context is a list of "the code of KEY is NN ." facts mixed with filler sentences; the question asks for
+one key's code. Only the exact two-digit number is correct.
+"""
+
+from __future__ import annotations
+
+import random
+
+from rlmerge.lab.tasks.base import Example, answer_part
+
+KEYS = [
+    "fox",
+    "owl",
+    "elk",
+    "bee",
+    "ant",
+    "cod",
+    "yak",
+    "emu",
+    "ram",
+    "eel",
+    "bat",
+    "cow",
+    "hen",
+    "pig",
+    "rat",
+    "jay",
+]
+FILLER = [
+    "the sky is grey .",
+    "it rained all day .",
+    "the door was open .",
+    "nobody came back .",
+    "the tea went cold .",
+    "a bell rang twice .",
+]
+
+
+class Memory:
+    name = "memory"
+
+    def __init__(self, n_facts: int = 6, n_filler: int = 3) -> None:
+        self.n_facts = n_facts
+        self.n_filler = n_filler
+
+    def sample(self, rng: random.Random) -> Example:
+        keys = rng.sample(KEYS, self.n_facts)
+        codes = [rng.randint(10, 99) for _ in keys]
+        lines = [f"the code of {k} is {c} ." for k, c in zip(keys, codes, strict=True)]
+        lines += rng.sample(FILLER, min(self.n_filler, len(FILLER)))
+        rng.shuffle(lines)
+        ask = rng.randrange(self.n_facts)
+        prompt = f"notes: {' '.join(lines)}\nquestion: what is the code of {keys[ask]} ?\nanswer:"
+        return Example(
+            self.name, prompt, f" {codes[ask]}", {"answer": str(codes[ask]), "codes": [str(c) for c in codes]}
+        )
+
+    def reward(self, completion: str, example: Example) -> float:
+        got = answer_part(completion)
+        if got == example.check["answer"]:
+            return 1.0
+        # A code that appears in the notes is the right kind of answer, retrieved for the wrong key.
+        return 0.1 if got in example.check["codes"] else 0.0
+
+    def score(self, completion: str, example: Example) -> float:
+        return float(answer_part(completion) == example.check["answer"])
+
+    def words(self) -> list[str]:
+        words = set(KEYS) | {"notes", "question", "what", "is", "the", "code", "of", "answer"}
+        words |= {w for s in FILLER for w in s.split()}
+        return sorted(words)
