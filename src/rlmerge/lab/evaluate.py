@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from rlmerge.lab.tasks import Example, make_family
 
 # Longest gold answer per family in tokens, plus slack; greedy decoding stops at EOS before this.
-MAX_NEW_TOKENS = {"tool_use": 48, "coding": 32, "memory": 4}
+MAX_NEW_TOKENS = {"tool_use": 36, "coding": 24, "memory": 4}
 
 
 @torch.no_grad()

@@ -1,8 +1,9 @@
 """An offline word-level tokenizer over the lab's closed vocabulary, saved with every checkpoint.
 
-Words, single digits, single spaces/newlines and single punctuation marks are tokens, and the decoder
-concatenates them, so decode(encode(text)) == text for any text the task generators emit. Digits are
-single tokens so that numbers of any size stay in the vocabulary.
+Words, single digits and single punctuation marks are tokens, each with or without one leading space
+(" code" and "code" are two tokens: this halves sequence lengths against a separate space token), plus
+whitespace. The decoder concatenates tokens, so decode(encode(text)) == text for any text the task
+generators emit. Digits are single tokens so that numbers of any size stay in the vocabulary.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from rlmerge.lab.tasks import FAMILIES, make_family
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-SPLIT_PATTERN = r"[A-Za-z_]+|\d|\s|[^\w\s]"
+SPLIT_PATTERN = r" ?[A-Za-z_]+| ?\d| ?[^\w\s]|\s"
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -23,6 +24,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     words: set[str] = set(string.ascii_lowercase) | set(string.digits) | set(string.punctuation) | {" ", "\n"}
     for name in FAMILIES:
         words |= set(make_family(name).words())
+    words |= {" " + w for w in words if not w.isspace()}
     vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *sorted(words)])}
     core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated")
