@@ -1,0 +1,91 @@
+"""Float32 blocks of base and task vectors: the only place that reads weights and moves them to a device.
+
+A block is a contiguous range of a tensor's flat elements (so every block is one contiguous byte range
+in every file). Buffers are allocated once, at the block size, and reused for every block of every
+tensor: page faults on fresh allocations cost more than the arithmetic here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import Checkpoint
+from .plan import Job, Plan
+
+DEFAULT_BLOCK = 1 << 22  # elements per block: 16 MiB of float32 per buffer
+
+
+@dataclass
+class Block:
+    job: Job
+    start: int
+    stop: int
+    base: torch.Tensor  # [n] float32
+    deltas: torch.Tensor  # [N, n] float32, τ_t = θ_t − θ₀ (zeros for an agent missing the tensor)
+    extra: torch.Tensor | None = None  # [N, n] float32 per-agent side inputs (e.g. Fisher diagonals)
+
+    @property
+    def n(self) -> int:
+        return self.stop - self.start
+
+
+class BlockReader:
+    """Yields the blocks of a merge job, reading the base and every agent into reused buffers."""
+
+    def __init__(self, plan: Plan, *, block_size: int = DEFAULT_BLOCK, device: str = "cpu", rows: bool = False,
+                 extras: list[Checkpoint] | None = None) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be ≥ 1")
+        largest = max((j.numel for j in plan.merge_jobs), default=1)
+        self.block_size = min(block_size, largest)
+        self.plan = plan
+        self.device = torch.device(device)
+        self.rows = rows  # blocks hold whole rows: a multiple of shape[1:], at least one row
+        self.extras = extras
+        self._alloc(self.block_size)
+
+    def _alloc(self, size: int) -> None:
+        n = len(self.plan.agents)
+        self._base = torch.empty(size, dtype=torch.float32)
+        self._agents = torch.empty((n, size), dtype=torch.float32)
+        self._extra = torch.empty((n, size), dtype=torch.float32) if self.extras else None
+
+    def step(self, job: Job) -> int:
+        if not self.rows:
+            return self.block_size
+        shape = job.info.shape
+        row = math.prod(shape[1:]) if len(shape) >= 2 else max(job.numel, 1)
+        return max(row, self.block_size // row * row)
+
+    def spans(self, job: Job) -> Iterator[tuple[int, int]]:
+        step = self.step(job)
+        for start in range(0, job.numel, step):
+            yield start, min(start + step, job.numel)
+
+    def blocks(self, job: Job) -> Iterator[Block]:
+        plan = self.plan
+        if self.step(job) > self._base.numel():
+            self._alloc(self.step(job))  # one row is larger than the block size: grow to one row
+        for start, stop in self.spans(job):
+            n = stop - start
+            base = plan.base.read_f32(job.name, start, stop, self._base)
+            extra = None
+            if self.extras and self._extra is not None:
+                extra = self._extra[:, :n]
+                for t, ckpt in enumerate(self.extras):
+                    ckpt.read_f32(job.name, start, stop, self._extra[t])
+            deltas = self._agents[:, :n]
+            for t, (agent, present) in enumerate(zip(plan.agents, job.present)):
+                if present:
+                    agent.read_f32(job.name, start, stop, self._agents[t])
+                    deltas[t].sub_(base)
+                else:
+                    deltas[t].zero_()
+            if self.device.type != "cpu":
+                base, deltas = base.to(self.device, non_blocking=True), deltas.to(self.device, non_blocking=True)
+                extra = None if extra is None else extra.to(self.device, non_blocking=True)
+            yield Block(job, start, stop, base, deltas, extra)

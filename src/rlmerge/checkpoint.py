@@ -1,0 +1,298 @@
+"""Lazy, validated view of a Hugging Face checkpoint folder.
+
+Only headers are read when a checkpoint is opened. Weights are read later, a contiguous range of flat
+elements at a time, straight into a reusable buffer (``read_f32``), so memory is bounded by the block
+size and never by the model. safetensors headers are parsed here rather than through ``safe_open``
+so that every lie a header can tell (offsets past the end, overlapping ranges, a size that does not
+match the shape, duplicate names, a huge header) is caught with the file and tensor named.
+``.bin`` checkpoints load with ``torch.load(weights_only=True, mmap=True)``: no pickled code runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import InputError, RLMergeError, raise_all
+
+# safetensors dtype names → torch dtypes (little-endian, as the format requires).
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; a larger header is a memory bomb
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+    "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one stored tensor lives. ``offset`` is absolute in ``file`` (safetensors only)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+    offset: int = -1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], bytes]:
+    """Parse and validate one safetensors file's header; returns (tensors, metadata, raw header)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise InputError("file is shorter than a safetensors header", file=str(path),
+                                 hint="the download is incomplete or the file is not safetensors")
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES or n + 8 > size:
+                raise InputError(f"safetensors header claims {n} bytes but only {size - 8} follow",
+                                 file=str(path), hint="the file is truncated or corrupt; download it again")
+            raw = f.read(n)
+    except OSError as e:
+        raise InputError(f"cannot read: {e.strerror}", file=str(path)) from e
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        dup = {k for k in keys if keys.count(k) > 1}
+        if dup:
+            raise InputError("duplicate tensor names in header", file=str(path), tensor=sorted(dup)[0],
+                             hint="the file is corrupt; re-save the checkpoint")
+        return dict(pairs)
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"safetensors header is not valid JSON ({e})", file=str(path),
+                         hint="the file is corrupt or not safetensors") from e
+    if not isinstance(header, dict):
+        raise InputError("safetensors header is not a JSON object", file=str(path))
+    meta = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    tensors: dict[str, TensorInfo] = {}
+    spans = []
+    for name, entry in header.items():
+        try:
+            dtype = DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"malformed header entry ({e!r})", file=str(path), tensor=name,
+                             hint="the file is corrupt; re-save the checkpoint") from e
+        info = TensorInfo(name, dtype, shape, path, data_start + begin)
+        if min(shape, default=1) < 0 or begin < 0 or end - begin != info.nbytes:
+            raise InputError(f"header says {end - begin} bytes for shape {list(shape)} {entry['dtype']}",
+                             file=str(path), tensor=name, hint="the header lies; the file is corrupt")
+        if data_start + end > size:
+            raise InputError(f"tensor data ends at byte {data_start + end} but the file has {size}",
+                             file=str(path), tensor=name, hint="the file is truncated; download it again")
+        spans.append((begin, end, name))
+        tensors[name] = info
+    spans.sort()
+    for (_, e0, a), (b1, _, b) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise InputError(f"tensors {a!r} and {b!r} overlap in the file", file=str(path), tensor=b,
+                             hint="the header lies; the file is corrupt")
+    return tensors, {str(k): str(v) for k, v in meta.items()}, raw
+
+
+class Checkpoint:
+    """A model folder: its tensors (from headers only), its config and where each byte lives."""
+
+    def __init__(self, path: Path, *, label: str | None = None, revision: str | None = None) -> None:
+        self.path = path
+        self.label = label or str(path)
+        self.revision = revision
+        self.tensors: dict[str, TensorInfo] = {}
+        self.header_bytes: dict[Path, bytes] = {}
+        self.format = ""
+        self._handles: dict[Path, Any] = {}
+        self._bin: dict[Path, dict[str, torch.Tensor]] = {}
+        self._scratch = bytearray()
+        self.config: dict[str, Any] = self._read_json("config.json") or {}
+        self._index()
+
+    # -- discovery -------------------------------------------------------------------------------------
+    def _read_json(self, name: str) -> Any:
+        p = self.path / name
+        if not p.is_file():
+            return None
+        try:
+            return json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise InputError(f"cannot parse {name}: {e}", file=str(p)) from e
+
+    def _shard_files(self, index_name: str) -> list[Path]:
+        index = self._read_json(index_name)
+        wmap = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wmap, dict):
+            raise InputError("index has no weight_map", file=str(self.path / index_name))
+        root = self.path.resolve()
+        files = []
+        for fname in dict.fromkeys(wmap.values()):
+            p = (self.path / str(fname)).resolve()
+            if root not in p.parents:
+                raise InputError(f"index points outside the model folder: {fname!r}",
+                                 file=str(self.path / index_name),
+                                 hint="refusing to read files outside the checkpoint; fix the index")
+            if not p.is_file():
+                raise InputError(f"shard {fname!r} listed in the index is missing",
+                                 file=str(self.path / index_name), hint="download the missing shard")
+            files.append(p)
+        return files
+
+    def _index(self) -> None:
+        p = self.path
+        if (p / "model.safetensors.index.json").is_file():
+            self.format, files = "safetensors", self._shard_files("model.safetensors.index.json")
+        elif (p / "model.safetensors").is_file():
+            self.format, files = "safetensors", [p / "model.safetensors"]
+        elif (p / "pytorch_model.bin.index.json").is_file():
+            self.format, files = "bin", self._shard_files("pytorch_model.bin.index.json")
+        elif (p / "pytorch_model.bin").is_file():
+            self.format, files = "bin", [p / "pytorch_model.bin"]
+        else:
+            raise InputError("no model.safetensors(.index.json) or pytorch_model.bin(.index.json) found",
+                             file=str(p), hint="point at a Hugging Face model folder")
+        for f in files:
+            found = self._safetensors_file(f) if self.format == "safetensors" else self._bin_file(f)
+            for name, info in found.items():
+                if name in self.tensors:
+                    raise InputError(f"tensor stored twice (also in {self.tensors[name].file.name})",
+                                     file=str(f), tensor=name, hint="the shards overlap; fix the index")
+                self.tensors[name] = info
+
+    def _safetensors_file(self, f: Path) -> dict[str, TensorInfo]:
+        tensors, _, raw = read_safetensors_header(f)
+        self.header_bytes[f] = raw
+        return tensors
+
+    def _bin_file(self, f: Path) -> dict[str, TensorInfo]:
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # pickle errors come in many types; all mean "refused"
+            raise InputError(f"cannot load with weights_only=True ({type(e).__name__}: {e})", file=str(f),
+                             hint="the file is corrupt or contains code; only plain tensors are loaded") from e
+        if not isinstance(state, dict):
+            raise InputError("pytorch_model.bin does not hold a state dict", file=str(f))
+        self._bin[f] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        return {k: TensorInfo(k, v.dtype, tuple(v.shape), f) for k, v in self._bin[f].items()}
+
+    @property
+    def files(self) -> list[Path]:
+        return list(dict.fromkeys(t.file for t in self.tensors.values()))
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        # transformers' PretrainedConfig default is True; nested text configs are not considered.
+        return bool(self.config.get("tie_word_embeddings", True))
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def read_f32(self, name: str, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """Flat elements [start, stop) of ``name`` as float32, written into ``out[: stop - start]``."""
+        info = self.tensors[name]
+        n = stop - start
+        dst = out[:n]
+        if self.format == "bin":
+            dst.copy_(self._bin[info.file][name].reshape(-1)[start:stop])
+            return dst
+        dst.copy_(torch.frombuffer(self._read_bytes(info, start, stop), dtype=info.dtype, count=n))
+        return dst
+
+    def read_raw(self, name: str, start: int, stop: int) -> memoryview:
+        """Stored bytes of flat elements [start, stop) (valid until the next read)."""
+        info = self.tensors[name]
+        if self.format == "bin":
+            t = self._bin[info.file][name].reshape(-1)[start:stop].contiguous()
+            return memoryview(t.view(torch.uint8).numpy()).cast("B")
+        return self._read_bytes(info, start, stop)
+
+    def _read_bytes(self, info: TensorInfo, start: int, stop: int) -> memoryview:
+        size = info.dtype.itemsize
+        nbytes = (stop - start) * size
+        if len(self._scratch) < nbytes:
+            self._scratch = bytearray(nbytes)
+        view = memoryview(self._scratch)[:nbytes]
+        fh = self._handles.get(info.file)
+        if fh is None:
+            fh = self._handles[info.file] = open(info.file, "rb", buffering=0)  # noqa: SIM115 closed in close()
+        got = os.preadv(fh.fileno(), [view], info.offset + start * size)
+        if got != nbytes:
+            raise InputError(f"short read: wanted {nbytes} bytes, got {got}", file=str(info.file),
+                             tensor=info.name, hint="the file changed or was truncated while merging")
+        return view
+
+    def close(self) -> None:
+        for fh in self._handles.values():
+            fh.close()
+        self._handles.clear()
+        self._scratch = bytearray()
+
+
+def resolve(spec: str | os.PathLike[str]) -> tuple[Path, str | None]:
+    """A local folder, or a hub id ``org/name[@revision]`` fetched (or found offline) with huggingface_hub."""
+    text = str(spec)
+    p = Path(text).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise InputError("expected a model folder, got a file", file=text,
+                             hint="pass the folder that holds config.json and the weights")
+        return p, None
+    if not HUB_ID.match(text) or text.startswith((".", "/", "~")):
+        raise InputError("no such folder", file=text, hint="check the path")
+    repo, _, rev = text.partition("@")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_OFFLINE
+
+    patterns = ["*.safetensors", "*.json", "*.bin", "*.txt", "*.model", "*.jinja"]
+    try:
+        local = snapshot_download(repo, revision=rev or None, allow_patterns=patterns,
+                                  local_files_only=bool(HF_HUB_OFFLINE))
+    except Exception as e:  # hub errors: offline, not found, gated, network — all need the user
+        how = ("HF_HUB_OFFLINE is set and it is not in the local cache" if HF_HUB_OFFLINE
+               else f"{type(e).__name__}: {e}")
+        raise InputError(f"cannot fetch hub model {repo!r}{'@' + rev if rev else ''}: {how}", file=text,
+                         hint="download it first (huggingface-cli download) or pass a local folder") from e
+    return Path(local), rev or None
+
+
+def open_all(specs: list[str | os.PathLike[str]]) -> list[Checkpoint]:
+    """Resolve and open every model, collecting all problems before failing."""
+    out: list[Checkpoint] = []
+    problems: list[RLMergeError] = []
+    for s in specs:
+        try:
+            path, rev = resolve(s)
+            out.append(Checkpoint(path, label=str(s), revision=rev))
+        except RLMergeError as e:
+            problems.append(e)
+    raise_all(problems)
+    return out

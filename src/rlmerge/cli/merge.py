@@ -1,0 +1,117 @@
+"""`rlmerge merge`: base and agents from the command line or a recipe, then one call to rlmerge.merge."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ..errors import ConfigError
+from ..merge import MergeResult, merge
+from ..recipe import load_recipe
+from .console import err, out
+
+
+def parse_param(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--param {text!r} is not KEY=VALUE")
+    return key.strip(), value.strip()
+
+
+def merge_command(
+    models: Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")] = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="output folder (refused if it exists)")] = ...,
+    method: Annotated[str | None, typer.Option(
+        help="ram+, ram, task_arithmetic, linear, unique, ties, ties_global, dare_ta, dare_ties, breadcrumbs, "
+        "della, slerp, model_stock, fisher (docs/methods.md)")] = None,
+    recipe: Annotated[Path | None, typer.Option(help="YAML recipe (mergekit layout)")] = None,
+    preset: Annotated[str | None, typer.Option(help="RAM+: paper, paper-soft, official, tensor-local")] = None,
+    r: Annotated[float | None, typer.Option("--r", help="RAM+ strength r (paper: 0.1)")] = None,
+    alpha: Annotated[float | None, typer.Option(help="RAM+ clip α on ρ (paper: 2.0)")] = None,
+    rescale_factor: Annotated[float | None, typer.Option(help="RAM+ official preset's R (1.2)")] = None,
+    eps: Annotated[float | None, typer.Option("--eps", help="changed means |τ| > eps (1e-5)")] = None,
+    scaling: Annotated[float | None, typer.Option(help="task arithmetic λ")] = None,
+    param: Annotated[list[str] | None, typer.Option("--param", help="any method parameter, KEY=VALUE")] = None,
+    dtype: Annotated[str | None, typer.Option(help="output dtype (default: the base's)")] = None,
+    shard_size: Annotated[str | None, typer.Option(help="max shard size, e.g. 5GB")] = None,
+    block_size: Annotated[int | None, typer.Option(help="elements per block (memory bound)")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda")] = None,
+    force: Annotated[bool, typer.Option(help="replace an existing output folder")] = False,
+    allow_missing: Annotated[bool, typer.Option(help="an agent missing a tensor counts as unchanged")] = False,
+    count_tied_twice: Annotated[bool, typer.Option(help="count tied embeddings twice, as the authors' script")]
+    = False,
+    seed: Annotated[int | None, typer.Option(help="seed for random methods")] = None,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no progress bars or tables")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
+) -> None:
+    """Merge AGENTs (RL fine-tunes of BASE) into one Hugging Face checkpoint."""
+    options: dict[str, Any] = {}
+    params: dict[str, Any] = {}
+    raw = None
+    if recipe is not None:
+        rec = load_recipe(recipe)
+        if models:
+            raise ConfigError("give models either on the command line or in --recipe, not both")
+        base, agents, raw = rec.base, rec.agents, rec.raw
+        method = method or rec.method
+        params.update(rec.parameters)
+        options.update(rec.options)
+        dtype = dtype or rec.dtype
+    else:
+        if not models or len(models) < 2:
+            raise ConfigError("need BASE and at least one AGENT (or --recipe)")
+        base, agents = models[0], models[1:]
+    flags = {"preset": preset, "r": r, "alpha": alpha, "rescale_factor": rescale_factor, "epsilon": eps,
+             "scaling": scaling}
+    params.update({k: v for k, v in flags.items() if v is not None})
+    params.update(dict(parse_param(p) for p in param or []))
+    run = {"shard_size": shard_size, "block_size": block_size, "device": device, "seed": seed}
+    options.update({k: v for k, v in run.items() if v is not None})
+    options["allow_missing"] = allow_missing or options.get("allow_missing", False)
+    options["count_tied_twice"] = count_tied_twice or options.get("count_tied_twice", False)
+    res = merge(base, agents, output, method=method or "ram+", params=params, dtype=dtype, force=force,
+                quiet=quiet or json_out, recipe=raw, **options)
+    for w in res.warnings:
+        err.print(f"[yellow]warning:[/] {w}")
+    if json_out:
+        out.print_json(json.dumps(result_json(res)))
+    elif not quiet:
+        print_result(res)
+
+
+def result_json(res: MergeResult) -> dict[str, Any]:
+    from ..provenance import agent_rows
+
+    return {"output": str(res.output), "method": res.method, "agents": agent_rows(res),
+            "seconds": round(res.seconds, 3), "read_bytes": res.read_bytes, "write_bytes": res.write_bytes,
+            "warnings": res.warnings}
+
+
+def print_result(res: MergeResult) -> None:
+    from ..provenance import agent_rows
+
+    rows = agent_rows(res)
+    table = Table(title=f"{res.method} merge of {len(rows)} agents")
+    cols = [c for c in ("agent", "density", "unique", "shared", "rho", "lambda") if c in rows[0]]
+    for c in cols:
+        table.add_column({"rho": "ρ", "lambda": "λ"}.get(c, c), justify="left" if c == "agent" else "right")
+    for row in rows:
+        row = {**row, "agent": Path(row["agent"]).name or row["agent"]}  # full paths are in rlmerge.json
+        table.add_row(*(_fmt(c, row[c]) for c in cols))
+    out.print(table)
+    gb = (res.read_bytes + res.write_bytes) / 1e9
+    out.print(f"wrote [bold]{res.output}[/] in {res.seconds:.1f} s ({gb:.2f} GB read + written)")
+
+
+def _fmt(col: str, v: Any) -> str:
+    if col == "density":
+        return f"{v:.2%}"
+    if isinstance(v, float):
+        return f"{v:.4f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)

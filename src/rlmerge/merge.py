@@ -1,0 +1,234 @@
+"""The merge, top to bottom: open → plan → statistics pass (if the method needs it) → merge pass → write."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .blocks import DEFAULT_BLOCK, Block, BlockReader
+from .checkpoint import SIDE_FILES, Checkpoint, open_all
+from .errors import ConfigError, InputError, RLMergeError, raise_all
+from .methods import BlockContext, MethodSpec, get_method
+from .plan import Job, Plan, build_plan
+from .progress import Progress
+from .provenance import model_card, provenance
+from .stats import Statistics, check_finite
+from .writer import DEFAULT_SHARD_SIZE, CheckpointWriter, parse_size
+
+DTYPE_ALIASES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+    "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPE_ALIASES[str(name).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {name!r}", hint="use bfloat16, float16 or float32") from None
+
+
+@dataclass
+class MergeResult:
+    output: Path
+    method: str
+    params: Any
+    statistics: Statistics
+    lambdas: list[float] | None = None
+    rho: list[float] | None = None
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    read_bytes: int = 0
+    write_bytes: int = 0
+
+
+def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str],
+          *, method: str = "ram+", params: Mapping[str, Any] | None = None, dtype: str | None = None,
+          shard_size: str | int = DEFAULT_SHARD_SIZE, block_size: int = DEFAULT_BLOCK, device: str = "cpu",
+          force: bool = False, allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
+          quiet: bool = True, recipe: Mapping[str, Any] | None = None) -> MergeResult:
+    """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
+
+    >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
+    ...                     params={"preset": "paper", "r": 0.1, "alpha": 2.0})  # doctest: +SKIP
+    >>> res.lambdas  # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    spec = get_method(method)
+    p = spec.parse(params)  # bad parameters fail before any file is opened
+    out_dtype = parse_dtype(dtype)
+    shard_bytes = parse_size(shard_size)
+    out = Path(output)
+    CheckpointWriter(out, [], force=force)  # refuses an existing output now, before any work
+    extra_specs = spec.extra_inputs(p) or ()
+    if extra_specs and len(extra_specs) != len(agents):
+        raise ConfigError(f"method {spec.name!r}: {len(extra_specs)} side input(s) given for {len(agents)} agent(s)",
+                          hint="give one per agent, in the order the agents are listed")
+    models = open_all([base, *agents, *extra_specs])
+    extras = models[1 + len(agents):]
+    try:
+        plan = build_plan(models[0], models[1:1 + len(agents)], dtype=out_dtype, allow_missing=allow_missing,
+                          count_tied_twice=count_tied_twice)
+        check_side_inputs(plan, extras)
+        result = _run(plan, spec, p, out, shard_bytes=shard_bytes, block_size=block_size, device=device,
+                      force=force, seed=seed, quiet=quiet, recipe=recipe, extras=extras)
+    finally:
+        for m in models:
+            m.close()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def check_side_inputs(plan: Plan, extras: list[Checkpoint]) -> None:
+    """Every merged tensor must be in every side input (e.g. a Fisher file), with the base's shape."""
+    problems: list[RLMergeError] = []
+    for ckpt in extras:
+        for job in plan.merge_jobs:
+            info = ckpt.tensors.get(job.name)
+            if info is None:
+                problems.append(InputError("tensor missing from the side input", file=str(ckpt.path),
+                                           tensor=job.name, hint="it must hold every float tensor of the base"))
+            elif info.shape != job.info.shape or not info.is_float:
+                problems.append(InputError(f"side input stores {list(info.shape)} where the base has "
+                                           f"{list(job.info.shape)}", file=str(info.file), tensor=job.name,
+                                           hint="it was computed for another model; recompute it"))
+    raise_all(problems)
+
+
+def _run(plan: Plan, spec: MethodSpec, p: Any, out: Path, *, shard_bytes: int, block_size: int, device: str,
+         force: bool, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
+         extras: list[Checkpoint] | None = None) -> MergeResult:
+    stats = Statistics([a.label for a in plan.agents], spec.epsilon(p))
+    reader = BlockReader(plan, block_size=block_size, device=device, rows=spec.row_blocks(p), extras=extras or None)
+    observer = spec.observer(p, len(plan.agents))
+    two_pass = spec.needs_stats(p) or observer is not None
+    with Progress(quiet=quiet) as progress:
+        if two_pass:
+            statistics_pass(plan, reader, stats, progress, observer, seed=seed)
+            stats.observed = observer
+        prepared = spec.prepare(p, stats if two_pass else None, len(plan.agents))
+        warnings = [*plan.warnings, *getattr(prepared, "warnings", ())]
+        result = MergeResult(out, spec.name, p, stats, warnings=warnings, read_bytes=plan.read_bytes,
+                             write_bytes=plan.write_bytes)
+        if prepared is not None and hasattr(prepared, "lambdas"):
+            result.lambdas, result.rho = list(prepared.lambdas), list(prepared.rho)
+        writer = CheckpointWriter(out, plan.jobs, shard_size=shard_bytes, force=force,
+                                  metadata={"rlmerge_method": spec.name})
+        with writer:
+            merge_pass(plan, reader, spec, p, prepared, stats, writer, progress, collect=not two_pass, seed=seed)
+            if not two_pass:
+                result.warnings += _identical_agents(stats)
+            _side_files(plan.base, writer, plan)
+            writer.write_text("rlmerge.json", provenance(plan, result, recipe))
+            writer.write_text("README.md", model_card(plan, result))
+            writer.finish()
+    return result
+
+
+def _identical_agents(stats: Statistics) -> list[str]:
+    return [f"agent {a} is identical to the base (no element with |τ| > ε): it contributes nothing"
+            for a, c in zip(stats.agents, stats.changed) if c == 0]
+
+
+def _count(stats: Statistics, name: str, numel: int, weight: int, start: int, deltas: torch.Tensor,
+           files: list[str]) -> None:
+    mask = deltas.abs() > stats.epsilon
+    counts = mask.sum(0)
+    ts = stats.for_tensor(name, numel, weight)
+    before = ts.sumsq.copy()
+    ts.update(deltas.cpu(), mask.cpu(), counts.cpu())
+    check_finite(deltas, torch.from_numpy(ts.sumsq - before), name=name, files=files, start=start)
+
+
+def _agent_files(plan: Plan, name: str) -> list[str]:
+    return [str(a.tensors[name].file) if name in a.tensors else str(a.path) for a in plan.agents]
+
+
+def _ctx(job: Job, blk: Block, prepared: Any, stats: Statistics, seed: int) -> BlockContext:
+    return BlockContext(job.name, blk.start, blk.stop, job.info.shape, job.present, prepared,
+                        stats.tensors.get(job.name), seed, blk.extra)
+
+
+def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress: Progress, observer: Any = None,
+                    *, seed: int = 0) -> None:
+    """Count every block; feed the method's observer, streaming a tensor (or the model) again if it asks."""
+    jobs = plan.merge_jobs
+    with progress.task("statistics", total=sum(j.info.nbytes for j in jobs), tensors=len(jobs)) as bar:
+        for job in jobs:
+            files = _agent_files(plan, job.name)
+            for blk in reader.blocks(job):
+                _count(stats, job.name, job.numel, job.weight, blk.start, blk.deltas, files)
+                if observer is not None:
+                    observer.observe(_ctx(job, blk, None, stats, seed), blk.base, blk.deltas)
+                bar.advance(blk.n * job.info.dtype.itemsize)
+            while observer is not None and observer.again(job.name):  # e.g. refine a per-tensor top-k
+                for blk in reader.blocks(job):
+                    observer.observe(_ctx(job, blk, None, stats, seed), blk.base, blk.deltas)
+            bar.tensor_done()
+    while observer is not None and observer.again(None):  # e.g. refine a whole-model top-k
+        for job in jobs:
+            for blk in reader.blocks(job):
+                observer.observe(_ctx(job, blk, None, stats, seed), blk.base, blk.deltas)
+
+
+def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepared: Any, stats: Statistics,
+               writer: CheckpointWriter, progress: Progress, *, collect: bool, seed: int) -> None:
+    with progress.task("merge", total=plan.write_bytes, tensors=len(plan.jobs)) as bar:
+        for job in plan.jobs:
+            writer.begin(job)
+            if job.kind == "copy":
+                for start, stop in _spans(job.numel, reader.block_size):
+                    writer.write(plan.base.read_raw(job.name, start, stop))
+                    bar.advance((stop - start) * job.out_dtype.itemsize)
+                bar.tensor_done()
+                continue
+            files = _agent_files(plan, job.name)
+            for blk in reader.blocks(job):
+                if collect:
+                    _count(stats, job.name, job.numel, job.weight, blk.start, blk.deltas, files)
+                else:
+                    check_finite(blk.deltas, blk.deltas.sum(1), name=job.name, files=files, start=blk.start)
+                merged = spec.merge(blk.base, blk.deltas, p, _ctx(job, blk, prepared, stats, seed))
+                writer.write(merged.to(job.out_dtype).cpu())
+                bar.advance(blk.n * job.out_dtype.itemsize)
+            bar.tensor_done()
+
+
+def _spans(numel: int, size: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, numel, size):
+        yield start, min(start + size, numel)
+
+
+def _side_files(base: Checkpoint, writer: CheckpointWriter, plan: Plan) -> None:
+    """config, generation config, tokenizer and chat-template files come from the base."""
+    for name in SIDE_FILES:
+        src = base.path / name
+        if not src.is_file():
+            continue
+        if name == "config.json":
+            writer.write_text(name, _config_with_dtype(base.config, plan))
+        else:
+            writer.copy_file(src)
+
+
+def _config_with_dtype(config: dict[str, Any], plan: Plan) -> str:
+    """The base's config, with its dtype field naming the dtype most merged tensors are written in."""
+    cfg = dict(config)
+    floats = [j.out_dtype for j in plan.jobs if j.kind == "merge"]
+    if floats:
+        name = str(max(set(floats), key=floats.count)).removeprefix("torch.")
+        for key in ("torch_dtype", "dtype"):
+            if key in cfg:
+                cfg[key] = name
+        if "torch_dtype" not in cfg and "dtype" not in cfg:
+            cfg["torch_dtype"] = name
+    return json.dumps(cfg, indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,96 @@
+"""Named pure steps the task-vector baselines are built from (PEFT's shape: prune, elect sign, disjoint mean).
+
+Each step takes float32 blocks and returns new tensors; none mutates its inputs. TIES, DARE, Breadcrumbs and
+DELLA are presets that pick a pruning step and whether to elect a sign (see ``gta.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+RNG_CHUNK = 1 << 16  # random numbers are drawn per chunk of 65,536 flat elements, aligned at element 0
+
+
+def chunk_seed(seed: int, agent: int, tensor: str, chunk: int) -> int:
+    """A 63-bit seed for one (seed, agent, tensor, chunk): stable across runs, machines and block sizes."""
+    h = hashlib.blake2b(f"{seed}\x1f{agent}\x1f{tensor}\x1f{chunk}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
+def uniform(seed: int, agent: int, tensor: str, numel: int, start: int, stop: int) -> torch.Tensor:
+    """U[0, 1) float32 for flat elements [start, stop) of one agent's tensor.
+
+    The numbers for element i depend only on (seed, agent, tensor, i): each chunk of RNG_CHUNK elements is
+    drawn whole from its own generator and the block's part sliced out, so any block size gives the same
+    numbers.
+    """
+    out = torch.empty(stop - start, dtype=torch.float32)
+    pos = start
+    while pos < stop:
+        chunk = pos // RNG_CHUNK
+        c0 = chunk * RNG_CHUNK
+        c1 = min(c0 + RNG_CHUNK, numel)
+        g = torch.Generator().manual_seed(chunk_seed(seed, agent, tensor, chunk))
+        draw = torch.rand(c1 - c0, generator=g, dtype=torch.float32)
+        end = min(c1, stop)
+        out[pos - start:end - start] = draw[pos - c0:end - c0]
+        pos = end
+    return out
+
+
+def keep_window(absd: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Mask [N, n] of lo_t ≤ |τ_t| ≤ hi_t (lo/hi [N]); ties at either end are kept."""
+    return (absd >= lo.unsqueeze(-1)) & (absd <= hi.unsqueeze(-1))
+
+
+def elect_sign(weighted: torch.Tensor) -> torch.Tensor:
+    """TIES sign election by total mass: +1 where Σ_t w_t τ_t ≥ 0, else −1 (mergekit's ``sum`` consensus)."""
+    total = weighted[0].clone()
+    for t in range(1, weighted.shape[0]):
+        total += weighted[t]
+    return torch.where(total >= 0, 1.0, -1.0)
+
+
+def agree(weighted: torch.Tensor, elected: torch.Tensor) -> torch.Tensor:
+    """Mask [N, n]: agent t's (weighted, pruned) τ is non-zero with the elected sign."""
+    return torch.sign(weighted) == elected
+
+
+def combine(weighted: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None, *, normalize: bool) -> torch.Tensor:
+    """Σ_t mask_t w_t τ_t, divided by Σ_t mask_t w_t (disjoint mean) when ``normalize``.
+
+    Without a mask the divisor is Σ_t w_t. A zero divisor (no agent kept) divides by 1, as mergekit does.
+    Sums run over agents in order.
+    """
+    n = weighted.shape[0]
+    kept = weighted if mask is None else weighted * mask
+    total = kept[0].clone()
+    for t in range(1, n):
+        total += kept[t]
+    if not normalize:
+        return total
+    if mask is None:
+        div = w.sum()
+        return total / (div if float(div.abs()) >= 1e-8 else torch.ones_like(div))
+    wm = w.unsqueeze(-1) * mask  # [N, n]
+    div = wm[0].clone()
+    for t in range(1, n):
+        div += wm[t]
+    return total / torch.where(div == 0, 1.0, div)
+
+
+def row_ranks(absd: torch.Tensor, row: int) -> torch.Tensor:
+    """Rank of each |τ| within its row, normalised to [0, 1] (0 smallest); ties ordered by position.
+
+    absd [N, n] with n a multiple of ``row``: the block holds whole rows (DELLA's MagPrune is row-wise).
+    """
+    n_agents, n = absd.shape
+    rows = absd.reshape(n_agents, n // row, row)
+    order = torch.sort(rows, dim=-1, stable=True).indices
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(row, dtype=order.dtype).expand_as(order))
+    if row == 1:
+        return torch.zeros_like(absd)
+    return (ranks.to(torch.float32) / (row - 1)).reshape(n_agents, n)

@@ -1,0 +1,364 @@
+"""Sparsify-then-combine task-vector baselines: TIES, DARE (+TA / +TIES), Breadcrumbs, DELLA.
+
+One rule serves them all (mergekit's "generalized task arithmetic"; the steps are in ``_ops.py``):
+
+    τ̃_t = prune(τ_t) · rescale_t              per agent: magnitude top-k, random drop, outlier window, MagPrune
+    u_t = w_t · τ̃_t
+    m_t = [sign(u_t) = sign(Σ_s u_s)]          only with sign election (TIES); else m_t = 1
+    τ   = scaling · Σ_t m_t u_t / (Σ_t m_t w_t  if normalize else 1)
+    θ   = θ₀ + τ
+
+The presets differ only in data (the ``PRESETS`` table). Order statistics (top-k thresholds) and L1 rescale
+factors come from the statistics pass through ``GtaObserver``, so the merge pass stays elementwise and any
+block size gives the same bytes. Random drops use ``_ops.uniform``: seeded per (seed, agent, tensor, chunk).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..errors import ConfigError
+from ..stats import Statistics
+from . import BlockContext, MethodSpec, check_range
+from ._ops import agree, combine, elect_sign, keep_window, row_ranks, uniform
+from ._select import KthLargest
+from .task_arithmetic import agent_weights
+
+Prune = Literal["magnitude", "magnitude-global", "random", "outliers", "magprune"]
+Rescale = Literal["inverse", "l1", "none"]
+PerAgent = float | tuple[float, ...]
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Preset:
+    prune: Prune
+    sign_election: bool
+    normalize: bool  # default of ``normalize``
+    paper: str
+    summary: str
+
+
+PRESETS: dict[str, Preset] = {
+    "ties": Preset("magnitude", True, True, "arXiv:2306.01708",
+                   "TIES: top-k by magnitude PER TENSOR (as mergekit), sign election, disjoint mean"),
+    "ties_global": Preset("magnitude-global", True, True, "arXiv:2306.01708",
+                          "TIES as in the paper: top-k by magnitude over each WHOLE task vector"),
+    "dare_ta": Preset("random", False, False, "arXiv:2311.03099",
+                      "DARE + task arithmetic: random drop with rate p, rescale, sum"),
+    "dare_ties": Preset("random", True, True, "arXiv:2311.03099",
+                        "DARE + TIES: random drop with rate p, rescale, sign election, disjoint mean"),
+    "breadcrumbs": Preset("outliers", False, False, "arXiv:2312.06795",
+                          "Model Breadcrumbs: drop the largest gamma and the smallest per tensor, sum"),
+    "breadcrumbs_ties": Preset("outliers", True, False, "arXiv:2312.06795",
+                               "Model Breadcrumbs with TIES sign election"),
+    "della": Preset("magprune", True, True, "arXiv:2406.11617",
+                    "DELLA: MagPrune (keep probability rising with magnitude rank in each row), TIES merge"),
+    "della_linear": Preset("magprune", False, False, "arXiv:2406.11617",
+                           "DELLA's MagPrune, then a plain (weighted) sum"),
+}
+
+
+def per_agent(value: PerAgent, n: int, where: str, name: str) -> tuple[float, ...]:
+    if isinstance(value, tuple):
+        if len(value) != n:
+            raise ConfigError(f"{where}: {len(value)} value(s) of {name} given for {n} agent(s)",
+                              hint="give one value, or one per agent in the order the agents are listed")
+        return value
+    return (float(value),) * n
+
+
+def _each(value: PerAgent) -> tuple[float, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _common_checks(where: str, weights: tuple[float, ...] | None, scaling: float) -> None:
+    check_range(where, "scaling", scaling, -10.0, 10.0)
+    for w in weights or ():
+        check_range(where, "weight", w, -10.0, 10.0)
+
+
+@dataclass(frozen=True)
+class TiesParams:
+    """TIES: keep the top ``density`` fraction of |τ| (the paper's k; RAM paper grid 0.1/0.2/0.3)."""
+
+    density: PerAgent = 0.2
+    weights: tuple[float, ...] | None = None
+    normalize: bool | None = None  # None: the preset's (disjoint mean)
+    scaling: float = 1.0  # the paper's λ (mergekit ``lambda``)
+
+    def __post_init__(self) -> None:
+        for d in _each(self.density):
+            check_range("ties", "density", d, 0.0, 1.0, lo_open=True)
+        _common_checks("ties", self.weights, self.scaling)
+
+
+@dataclass(frozen=True)
+class DareParams:
+    """DARE: drop each element with probability ``p`` (or keep with ``density`` = 1 − p), then rescale.
+
+    rescale: ``inverse`` multiplies kept elements by 1/(1 − p) (the paper); ``l1`` matches each tensor's L1
+    norm before and after the drop (mergekit's ``rescale: true``); ``none`` does not rescale.
+    """
+
+    p: PerAgent | None = None  # drop rate; default 0.9 (the DARE paper's setting for LLMs)
+    density: PerAgent | None = None  # mergekit's name: keep probability = 1 − p
+    rescale: Rescale = "inverse"
+    weights: tuple[float, ...] | None = None
+    normalize: bool | None = None
+    scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.p is not None and self.density is not None:
+            raise ConfigError("dare: give either p (drop rate) or density (keep rate = 1 − p), not both")
+        if self.p is not None:
+            for p in _each(self.p):
+                check_range("dare", "p", p, 0.0, 1.0, hi_open=True)
+            keep = tuple(1.0 - p for p in _each(self.p))
+            object.__setattr__(self, "density", keep if isinstance(self.p, tuple) else keep[0])
+        elif self.density is None:
+            object.__setattr__(self, "p", 0.9)
+            object.__setattr__(self, "density", 1.0 - 0.9)
+        for d in _each(self.density):  # type: ignore[arg-type]
+            check_range("dare", "density", d, 0.0, 1.0, lo_open=True)
+        _common_checks("dare", self.weights, self.scaling)
+
+
+@dataclass(frozen=True)
+class BreadcrumbsParams:
+    """Breadcrumbs: per tensor, drop the ``gamma`` fraction of largest |τ|, then the smallest, keeping ``density``."""
+
+    density: PerAgent = 0.9
+    gamma: PerAgent = 0.01
+    weights: tuple[float, ...] | None = None
+    normalize: bool | None = None
+    scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        for d in _each(self.density):
+            check_range("breadcrumbs", "density", d, 0.0, 1.0, lo_open=True)
+        for g in _each(self.gamma):
+            check_range("breadcrumbs", "gamma", g, 0.0, 1.0, hi_open=True)
+        _common_checks("breadcrumbs", self.weights, self.scaling)
+
+
+@dataclass(frozen=True)
+class DellaParams:
+    """DELLA MagPrune: keep probability from density − ε (smallest in a row) to density + ε (largest)."""
+
+    density: PerAgent = 0.7
+    epsilon: PerAgent = 0.15  # mergekit's default; density ± ε must stay inside (0, 1)
+    rescale: Rescale = "inverse"  # inverse: 1/p_i per element (the paper); l1: mergekit's
+    weights: tuple[float, ...] | None = None
+    normalize: bool | None = None
+    scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        for d in _each(self.density):
+            check_range("della", "density", d, 0.0, 1.0, lo_open=True, hi_open=True)
+        for e in _each(self.epsilon):
+            check_range("della", "epsilon", e, 0.0, 0.5, hi_open=True)
+        dens, eps = _each(self.density), _each(self.epsilon)
+        for d in dens:
+            for e in eps:
+                if d - e <= 0 or d + e >= 1:
+                    raise ConfigError(f"della: density ± epsilon = {d} ± {e} leaves (0, 1)",
+                                      hint="choose epsilon < min(density, 1 − density)")
+        _common_checks("della", self.weights, self.scaling)
+
+
+# -- the statistics pass: thresholds and L1 factors ------------------------------------------------------------
+def _ranks(prune: Prune, numel: int, density: float, gamma: float) -> tuple[int | None, int | None]:
+    """(rank of the lower threshold, rank of the upper one), 1 = largest |τ|; None: no bound on that side.
+
+    magnitude: keep the k = max(1, ⌊density·numel⌋) largest (mergekit ``magnitude``).
+    magnitude-global: keep |τ| ≥ the (⌊density·d⌋ + 1)-th largest of the whole task vector (the TIES authors'
+    ``topk_values_mask``: kthvalue(d − ⌊d·K⌋)).
+    outliers: keep ascending positions [n_bot, n_bot + ⌊density·numel⌋) (mergekit ``magnitude_outliers``).
+    """
+    if density >= 1.0:
+        return None, None
+    if prune == "magnitude":
+        return max(1, int(density * numel)), None
+    if prune == "magnitude-global":
+        return int(density * numel) + 1, None
+    target, n_top = int(density * numel), int(gamma * numel)
+    n_bot = max(0, numel - target - n_top)
+    if target == 0:
+        return 0, None  # keep nothing
+    hi_rank = numel - n_bot - target + 1
+    return numel - n_bot, (hi_rank if hi_rank > 1 else None)
+
+
+class GtaObserver:
+    """Collects what a preset needs from the statistics pass; becomes the method's ``prepared`` constants."""
+
+    def __init__(self, preset: Preset, params: Any, n: int) -> None:
+        self.preset, self.params, self.n = preset, params, n
+        self.density = per_agent(params.density, n, "gta", "density")
+        self.gamma = per_agent(getattr(params, "gamma", 0.0), n, "gta", "gamma")
+        self.bounds: dict[str, torch.Tensor] = {}  # tensor → [2, N] (lo, hi) on |τ|
+        self.l1: dict[str, torch.Tensor] = {}  # tensor → [N] rescale factors
+        self.warnings: tuple[str, ...] = ()
+        self._sel: KthLargest | None = None
+        self._queries: list[tuple[int, int, int]] = []  # (agent, side 0=lo/1=hi, rank)
+        self._l1_acc = torch.zeros((2, n), dtype=torch.float64)
+        self._global_numel = 0
+        self._name = ""
+
+    @property
+    def needs_selection(self) -> bool:
+        return self.preset.prune in ("magnitude", "magnitude-global", "outliers")
+
+    @property
+    def needs_l1(self) -> bool:
+        return getattr(self.params, "rescale", "none") == "l1"
+
+    def observe(self, ctx: BlockContext, base: torch.Tensor, deltas: torch.Tensor) -> None:
+        numel = math.prod(ctx.shape)
+        if ctx.start == 0 and ctx.name != self._name:
+            self._begin_tensor(ctx.name, numel)
+        if self.needs_selection and self._sel is not None:
+            if self._sel.round == 0 and self.preset.prune == "magnitude-global":
+                self._global_numel += ctx.stop - ctx.start
+            self._sel.feed(deltas)
+        if self.needs_l1:
+            kept, _ = prune_block(self.preset, self, deltas, ctx)
+            self._l1_acc[0] += deltas.abs().double().sum(-1).cpu()
+            self._l1_acc[1] += kept.abs().double().sum(-1).cpu()
+
+    def _begin_tensor(self, name: str, numel: int) -> None:
+        self._name = name
+        self._l1_acc.zero_()
+        if self.preset.prune == "magnitude-global":
+            if self._sel is None:
+                self._sel = KthLargest(n_streams=self.n, streams=list(range(self.n)))
+            return
+        if not self.needs_selection:
+            return
+        self._queries = []
+        for t in range(self.n):
+            lo, hi = _ranks(self.preset.prune, numel, self.density[t], self.gamma[t])
+            self._queries += [(t, side, r) for side, r in ((0, lo), (1, hi)) if r]  # rank 0: keep nothing
+        streams = [q[0] for q in self._queries]
+        self._sel = KthLargest(n_streams=self.n, streams=streams) if streams else None
+        self.bounds[name] = self._default_bounds(numel)
+
+    def _default_bounds(self, numel: int) -> torch.Tensor:
+        b = torch.tensor([[0.0] * self.n, [INF] * self.n], dtype=torch.float32)
+        for t in range(self.n):
+            lo, _ = _ranks(self.preset.prune, numel, self.density[t], self.gamma[t])
+            if lo == 0:
+                b[0, t], b[1, t] = INF, -1.0  # an empty window
+        return b
+
+    def again(self, name: str | None) -> bool:
+        """After a tensor (``name``) or the whole model (None): True asks the engine to stream it again."""
+        if name is not None and self.needs_l1:
+            before, after = self._l1_acc
+            ok = (before >= 1e-7) & (after >= 1e-7)  # mergekit's eps: no rescale of (near-)empty tensors
+            self.l1[name] = torch.where(ok, before / torch.where(ok, after, 1.0), 1.0).float()
+        global_ = self.preset.prune == "magnitude-global"
+        if (name is None) != global_ or self._sel is None:
+            return False
+        sel = self._sel
+        if sel.round == 0:
+            ranks = ([_ranks("magnitude-global", self._global_numel, d, 0.0)[0] or 1 for d in self.density]
+                     if global_ else [q[2] for q in self._queries])
+            sel.next_round(ranks)
+            return True
+        sel.next_round()
+        values = sel.values()
+        if global_:
+            lo = torch.where(torch.tensor(self.density) >= 1.0, 0.0, values)
+            self.bounds[""] = torch.stack([lo, torch.full_like(lo, INF)])
+        else:
+            for (t, side, _), v in zip(self._queries, values.tolist()):
+                self.bounds[name][side, t] = v  # type: ignore[index]
+        self._sel = None
+        return False
+
+    def window(self, name: str) -> torch.Tensor:
+        return self.bounds[""] if self.preset.prune == "magnitude-global" else self.bounds[name]
+
+
+# -- the merge pass -----------------------------------------------------------------------------------------------
+def prune_block(preset: Preset, obs: GtaObserver, deltas: torch.Tensor,
+                ctx: BlockContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(pruned τ [N, n] before any L1 factor, per-element keep probability [N, n] for ``inverse`` or None)."""
+    n_agents, n = deltas.shape
+    numel = math.prod(ctx.shape)
+    if preset.prune in ("magnitude", "magnitude-global", "outliers"):
+        lo, hi = obs.window(ctx.name).to(deltas.device)
+        return deltas * keep_window(deltas.abs(), lo, hi), None
+    u = torch.stack([uniform(ctx.seed, t, ctx.name, numel, ctx.start, ctx.stop) for t in range(n_agents)])
+    u = u.to(deltas.device)
+    dens = torch.tensor(obs.density, dtype=torch.float32, device=deltas.device).unsqueeze(-1)  # [N, 1]
+    if preset.prune == "random":
+        prob = dens.expand(n_agents, n)
+    else:  # magprune: p_i = density − ε + 2ε · (rank of |τ_i| in its row, normalised to [0, 1])
+        eps = torch.tensor(per_agent(obs.params.epsilon, n_agents, "della", "epsilon"),
+                           dtype=torch.float32, device=deltas.device).unsqueeze(-1)
+        prob = (dens - eps) + row_ranks(deltas.abs(), _row(ctx.shape)) * (2 * eps)
+    keep = u < prob
+    return deltas * keep, prob
+
+
+def _row(shape: tuple[int, ...]) -> int:
+    return math.prod(shape[1:]) if len(shape) >= 2 else max(math.prod(shape), 1)
+
+
+def _merge(preset: Preset, base: torch.Tensor, deltas: torch.Tensor, params: Any,
+           ctx: BlockContext) -> torch.Tensor:
+    obs: GtaObserver = ctx.prepared
+    n = deltas.shape[0]
+    w = agent_weights(preset.summary.split(":")[0], params.weights, n).to(deltas.device)
+    pruned, prob = prune_block(preset, obs, deltas, ctx)
+    rescale = getattr(params, "rescale", "none")
+    if rescale == "inverse" and prob is not None:
+        pruned = pruned / prob
+    elif rescale == "l1":
+        pruned = pruned * obs.l1[ctx.name].to(deltas.device).unsqueeze(-1)
+    weighted = pruned * w.unsqueeze(-1)
+    mask = agree(weighted, elect_sign(weighted)) if preset.sign_election else None
+    normalize = preset.normalize if params.normalize is None else params.normalize
+    mixed = combine(weighted, w, mask, normalize=normalize)
+    if params.scaling != 1.0:
+        mixed = mixed * params.scaling
+    return base + mixed
+
+
+def _observer(preset: Preset) -> Any:
+    def make(params: Any, n: int) -> GtaObserver | None:
+        obs = GtaObserver(preset, params, n)
+        return obs if (obs.needs_selection or obs.needs_l1) else None
+    return make
+
+
+def _prepare(preset: Preset) -> Any:
+    def prepare(params: Any, stats: Statistics | None, n: int) -> GtaObserver:
+        obs = getattr(stats, "observed", None)
+        return obs if obs is not None else GtaObserver(preset, params, n)
+    return prepare
+
+
+def _spec(name: str, params: type) -> MethodSpec:
+    preset = PRESETS[name]
+    scope = {"magnitude-global": "global", "magnitude": "tensor-local", "outliers": "tensor-local"}.get(
+        preset.prune, "elementwise")
+    return MethodSpec(
+        name, preset.summary, preset.paper, scope, params,  # type: ignore[arg-type]
+        lambda b, d, p, c: _merge(preset, b, d, p, c),
+        prepare=_prepare(preset), observer=_observer(preset),
+        row_blocks=lambda p: preset.prune == "magprune", epsilon=lambda p: 1e-5)
+
+
+METHODS = [
+    _spec("ties", TiesParams), _spec("ties_global", TiesParams), _spec("dare_ta", DareParams),
+    _spec("dare_ties", DareParams), _spec("breadcrumbs", BreadcrumbsParams),
+    _spec("breadcrumbs_ties", BreadcrumbsParams), _spec("della", DellaParams), _spec("della_linear", DellaParams),
+]

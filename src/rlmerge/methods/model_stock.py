@@ -1,0 +1,79 @@
+"""Model Stock (Jang et al. 2024, arXiv:2403.19522), as mergekit's ``model_stock``.
+
+Per tensor (or per row with ``filter_wise``), from the agents' task vectors τ_t:
+
+    cos θ = mean over pairs a < b of ⟨τ_a, τ_b⟩ / max(‖τ_a‖‖τ_b‖, 1e-6), clipped to [−1, 1]
+    t     = N cos θ / (1 + (N − 1) cos θ)                     (0 where the denominator is ~0)
+    θ     = t · mean_t θ_t + (1 − t) · θ₀
+
+Norms and dots per tensor come from the statistics pass (float64): tensor-local. ``filter_wise`` computes
+them per row inside row-aligned blocks and needs no statistics pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from . import BlockContext, MethodSpec
+
+
+@dataclass(frozen=True)
+class ModelStockParams:
+    filter_wise: bool = False  # one t per row (output filter) instead of per tensor
+
+
+def interpolation(cos: torch.Tensor, n: int) -> torch.Tensor:
+    """t from the mean pairwise cosine; 0 at the singularity (the base is kept there), as mergekit."""
+    den = 1 + (n - 1) * cos
+    singular = den.abs() < 1e-6
+    return torch.where(singular, torch.zeros_like(cos), n * cos / torch.where(singular, 1.0, den))
+
+
+def _mean_cos(dots: torch.Tensor) -> torch.Tensor:
+    """dots [N, N, ...] Gram entries → mean pairwise cosine [...]."""
+    n = dots.shape[0]
+    cos = []
+    for a in range(n):
+        for b in range(a + 1, n):
+            norm = (dots[a, a].sqrt() * dots[b, b].sqrt()).clamp(min=1e-6)
+            cos.append((dots[a, b] / norm).clamp(-1, 1))
+    return torch.stack(cos).mean(0)
+
+
+def _merge(base: torch.Tensor, deltas: torch.Tensor, params: ModelStockParams, ctx: BlockContext) -> torch.Tensor:
+    n = deltas.shape[0]
+    if params.filter_wise:  # row-aligned blocks; a 1-D tensor is one row, as mergekit's unsqueeze(0)
+        row = _row(ctx.shape)
+        rows = deltas.reshape(n, -1, row).double()  # [N, rows, row]
+        t = interpolation(_mean_cos(torch.einsum("arc,brc->abr", rows, rows)), n).float()  # [rows]
+        t = t.repeat_interleave(row)
+    else:
+        ts = ctx.tensor_stats
+        if ts is None:
+            raise RuntimeError("model_stock ran without its statistics pass")
+        t = interpolation(_mean_cos(torch.from_numpy(ts.dots)), n).float().to(base.device)
+    total = base + deltas[0]
+    for k in range(1, n):
+        total += base + deltas[k]
+    return t * (total / n) + (1 - t) * base
+
+
+def _check_agents(params: ModelStockParams, n: int) -> None:
+    """Called by the engine before any data is read (the observer hook); Model Stock observes nothing."""
+    if n < 2:
+        raise ConfigError(f"model_stock needs at least two agents (got {n})", hint="add agents, or use another method")
+
+
+def _row(shape: tuple[int, ...]) -> int:
+    return math.prod(shape[1:]) if len(shape) >= 2 else max(math.prod(shape), 1)
+
+
+METHODS = [
+    MethodSpec("model_stock", "Model Stock: interpolate base → agent average by the agents' mean cosine",
+               "arXiv:2403.19522", "tensor-local", ModelStockParams, _merge,
+               needs_stats=lambda p: not p.filter_wise, row_blocks=lambda p: p.filter_wise, observer=_check_agents),
+]

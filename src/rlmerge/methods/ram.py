@@ -1,0 +1,191 @@
+"""RAM and RAM+ (Yuan et al., "Behavior Knowledge Merge in Reinforced Agentic Models", arXiv 2601.13572).
+
+Elementwise rule (paper Eq. 4–6; ../shared/docs/ram-method.md):
+    τ_i = 0                              if no agent changed i (|τ_t,i| ≤ ε for all t)
+        = λ_t · τ_t,i                    if only agent t changed i (unique)
+        = (1/c_i) Σ_{t active} τ_t,i     if c_i ≥ 2 agents changed i (mean over ACTIVE agents, not N)
+RAM has λ_t = 1 and is elementwise. RAM+ rescales unique elements by λ_t computed from the overlap-unique
+ratio ρ_t = shared_t / unique_t over the WHOLE model (a statistics pass), except the ``tensor-local``
+preset, which reproduces mergekit's ``ramplus_tl`` with ρ per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ..stats import Statistics, overlap_ratio
+from . import BlockContext, MethodSpec, check_range
+
+Preset = Literal["paper", "paper-soft", "official", "tensor-local"]
+PAPER = "arXiv:2601.13572"
+
+# Which knobs each preset reads, and its defaults (paper Eq. 6; appendix; authors' script; mergekit).
+PRESETS: dict[str, dict[str, float]] = {
+    "paper": {"r": 0.1, "alpha": 2.0},
+    "paper-soft": {"r": 0.1},
+    "official": {"rescale_factor": 1.2},
+    "tensor-local": {"r": 0.1, "alpha": 0.2},
+}
+
+
+@dataclass(frozen=True)
+class RamParams:
+    """RAM: λ = 1. ``epsilon``: an element counts as changed when |τ| > ε (strictly)."""
+
+    epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        check_range("ram", "epsilon", self.epsilon, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class RamPlusParams:
+    """RAM+: ``preset`` picks the λ formula; unset knobs take the preset's defaults.
+
+    paper:        λ = 1 + r·clip(ρ, 0, α)            r = 0.1, α = 2.0
+    paper-soft:   λ = 1 + r·ρ/(1+ρ)                  r = 0.1
+    official:     λ = 1 + (R−1)·min(1, ρ), R ≥ 1     R = rescale_factor = 1.2 (authors' arm-r-v2)
+    tensor-local: paper formula, ρ per tensor        r = 0.1, α = 0.2 (mergekit ramplus_tl)
+    """
+
+    preset: Preset = "paper"
+    r: float | None = None
+    alpha: float | None = None
+    rescale_factor: float | None = None
+    epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        defaults = PRESETS.get(self.preset)
+        if defaults is None:
+            raise ConfigError(f"unknown RAM+ preset {self.preset!r}", hint=f"choose one of: {', '.join(PRESETS)}")
+        for knob in ("r", "alpha", "rescale_factor"):
+            value = getattr(self, knob)
+            if value is not None and knob not in defaults:
+                uses = ", ".join(defaults)
+                raise ConfigError(f"ram+: {knob} does not apply to preset {self.preset!r} (it uses {uses})",
+                                  hint="drop it, or pick the preset that uses it")
+            if value is None and knob in defaults:
+                object.__setattr__(self, knob, defaults[knob])
+        if self.r is not None:
+            check_range("ram+", "r", self.r, 0.0, 10.0)
+        if self.alpha is not None:
+            check_range("ram+", "alpha", self.alpha, 0.0, 1e6)
+        if self.rescale_factor is not None:
+            check_range("ram+", "rescale_factor", self.rescale_factor, 0.0, 10.0, lo_open=True)
+        check_range("ram+", "epsilon", self.epsilon, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class UniqueParams:
+    """The paper's unique-region probe (Fig. 3): base + one agent's unique elements, nothing else."""
+
+    agent: int = 0  # index of the agent among those given (0-based)
+    divide_by_n: bool = False  # scale by 1/N, as averaging would
+    epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        check_range("unique", "epsilon", self.epsilon, 0.0, 1.0)
+        if self.agent < 0:
+            raise ConfigError(f"unique: agent = {self.agent} must be ≥ 0")
+
+
+def rescale_factor(params: RamPlusParams, shared: int, unique: int) -> float:
+    """λ for one agent from its shared/unique counts (whole model, or one tensor for tensor-local)."""
+    rho = overlap_ratio(shared, unique)
+    if params.preset == "paper-soft":
+        changed = shared + unique
+        return 1.0 + params.r * (shared / changed if changed else 0.0)  # = r·ρ/(1+ρ), finite at ρ = ∞
+    if params.preset == "official":
+        big_r = max(params.rescale_factor, 1.0)
+        return 1.0 + (big_r - 1.0) * min(1.0, rho)
+    return 1.0 + params.r * min(max(rho, 0.0), params.alpha)  # paper, tensor-local; ρ = ∞ → α
+
+
+@dataclass(frozen=True)
+class Prepared:
+    lambdas: tuple[float, ...]  # per agent (tensor-local: unused, computed per tensor)
+    rho: tuple[float, ...]
+    warnings: tuple[str, ...] = ()
+
+
+def prepare_ram_plus(params: RamPlusParams, stats: Statistics | None, n_agents: int) -> Prepared:
+    assert stats is not None  # the engine runs the statistics pass for ram+ (needs_stats)
+    warnings = [f"agent {a} is identical to the base (no element with |τ| > ε): it contributes nothing"
+                for a, c in zip(stats.agents, stats.changed) if c == 0]
+    lambdas = tuple(rescale_factor(params, int(s), int(u)) for s, u in zip(stats.shared, stats.unique))
+    return Prepared(lambdas, tuple(stats.rho), tuple(warnings))
+
+
+def ram_kernel(base: torch.Tensor, deltas: torch.Tensor, epsilon: float,
+               lambdas: torch.Tensor | None) -> torch.Tensor:
+    """base [n] f32, deltas [N, n] f32, lambdas [N] f32 or None (λ = 1) → merged weights [n] f32.
+
+    Sums run over agents in order (t = 0, 1, …) so any reference that adds in the same order agrees bit
+    for bit. Unchanged elements return the base exactly (not base + 0, which would turn −0 into +0).
+    """
+    mask = deltas.abs() > epsilon  # [N, n]
+    counts = mask.sum(0)  # [n]
+    active = deltas * mask  # [N, n], exact zeros where inactive
+    total = active[0].clone()
+    for t in range(1, active.shape[0]):
+        total += active[t]
+    mean = total / counts.clamp(min=1)
+    if lambdas is None:
+        uniq = total  # where counts == 1 the sum is that one agent's τ
+    else:
+        uniq = active[0] * lambdas[0]
+        for t in range(1, active.shape[0]):
+            uniq += active[t] * lambdas[t]
+    tau = torch.where(counts >= 2, mean, uniq)
+    return torch.where(counts == 0, base, base + tau)
+
+
+def _merge_ram(base: torch.Tensor, deltas: torch.Tensor, params: RamParams, ctx: BlockContext) -> torch.Tensor:
+    return ram_kernel(base, deltas, params.epsilon, None)
+
+
+def _merge_ram_plus(base: torch.Tensor, deltas: torch.Tensor, params: RamPlusParams,
+                    ctx: BlockContext) -> torch.Tensor:
+    if params.preset == "tensor-local":
+        ts = ctx.tensor_stats
+        assert ts is not None
+        lam = [rescale_factor(params, int(s), int(u)) for s, u in zip(ts.shared, ts.unique)]
+    else:
+        lam = list(ctx.prepared.lambdas)
+    return ram_kernel(base, deltas, params.epsilon, torch.tensor(lam, dtype=torch.float32))
+
+
+def _merge_unique(base: torch.Tensor, deltas: torch.Tensor, params: UniqueParams,
+                  ctx: BlockContext) -> torch.Tensor:
+    n = deltas.shape[0]
+    if params.agent >= n:
+        raise ConfigError(f"unique: agent = {params.agent} but only {n} agent(s) were given")
+    mask = deltas.abs() > params.epsilon
+    only = mask[params.agent] & (mask.sum(0) == 1)
+    scale = np.float32(1.0 / n if params.divide_by_n else 1.0)
+    return torch.where(only, base + deltas[params.agent] * float(scale), base)
+
+
+def tensor_local_lambdas(params: RamPlusParams, stats: Statistics) -> dict[str, tuple[float, ...]]:
+    """Per-tensor λ of the tensor-local preset, for the report."""
+    return {name: tuple(rescale_factor(params, int(s), int(u)) for s, u in zip(ts.shared, ts.unique))
+            for name, ts in stats.tensors.items()}
+
+
+METHODS = [
+    MethodSpec("ram", "RAM: mean over the agents that changed an element; unique elements kept whole",
+               PAPER, "elementwise", RamParams, _merge_ram),
+    MethodSpec("ram+", "RAM+: RAM with each agent's unique elements rescaled by λ from the overlap ratio ρ",
+               PAPER, "global", RamPlusParams, _merge_ram_plus,
+               needs_stats=lambda p: True, prepare=prepare_ram_plus),
+    MethodSpec("unique", "base + one agent's unique elements only, at full size or divided by N (paper Fig. 3)",
+               PAPER, "elementwise", UniqueParams, _merge_unique),
+]
+
+__all__ = ["METHODS", "PRESETS", "RamParams", "RamPlusParams", "UniqueParams", "ram_kernel",
+           "rescale_factor"]

@@ -1,0 +1,106 @@
+"""What the output says about itself: ``rlmerge.json`` (provenance) and the model card ``README.md``.
+
+Both are deterministic (no timestamps, no block size), so the same inputs and recipe give the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from . import __version__
+from .checkpoint import Checkpoint
+
+if TYPE_CHECKING:
+    from .merge import MergeResult
+    from .plan import Plan
+
+
+def _num(x: float) -> float | str:
+    """JSON has no infinity: ∞ is written as the string "inf"."""
+    return "inf" if math.isinf(x) else float(x)
+
+
+def _files(ckpt: Checkpoint) -> list[dict[str, Any]]:
+    """Each weight file with its size and the SHA-256 of its header (names, dtypes, shapes, offsets).
+
+    Hashing the header, not the whole file, keeps provenance free: the data are read once, by the merge.
+    """
+    out = []
+    for f in ckpt.files:
+        raw = ckpt.header_bytes.get(f)
+        entry: dict[str, Any] = {"name": f.name, "bytes": f.stat().st_size}
+        if raw is not None:
+            entry["header_sha256"] = hashlib.sha256(raw).hexdigest()
+        out.append(entry)
+    return out
+
+
+def _input(role: str, ckpt: Checkpoint) -> dict[str, Any]:
+    return {"role": role, "source": ckpt.label, "path": str(ckpt.path.resolve()), "revision": ckpt.revision,
+            "format": ckpt.format, "files": _files(ckpt)}
+
+
+def agent_rows(result: MergeResult) -> list[dict[str, Any]]:
+    stats = result.statistics
+    rows = []
+    numel = max(stats.numel, 1)
+    for t, label in enumerate(stats.agents):
+        row: dict[str, Any] = {"agent": label}
+        if stats.tensors:
+            row.update(changed=int(stats.changed[t]), shared=int(stats.shared[t]), unique=int(stats.unique[t]),
+                       density=float(stats.changed[t]) / numel, rho=_num(stats.rho[t]))
+        if result.lambdas is not None:
+            row["lambda"] = float(result.lambdas[t])
+        rows.append(row)
+    return rows
+
+
+def provenance(plan: Plan, result: MergeResult, recipe: Mapping[str, Any] | None) -> str:
+    params = dataclasses.asdict(result.params) if dataclasses.is_dataclass(result.params) else {}
+    doc = {
+        "rlmerge_version": __version__,
+        "method": result.method,
+        "parameters": params,
+        "epsilon": result.statistics.epsilon,
+        "recipe": dict(recipe) if recipe else None,
+        "inputs": [_input("base", plan.base), *(_input("agent", a) for a in plan.agents)],
+        "output_dtypes": sorted({str(j.out_dtype).removeprefix("torch.") for j in plan.jobs}),
+        "agents": agent_rows(result),
+        "elements": result.statistics.numel,
+        "tied_tensors": plan.tied,
+        "dropped_tensors": plan.dropped,
+        "missing_tensors_allowed": plan.missing,
+        "warnings": result.warnings,
+    }
+    return json.dumps(doc, indent=2, default=str) + "\n"
+
+
+def model_card(plan: Plan, result: MergeResult) -> str:
+    tags = ["merge", "rlmerge", result.method]
+    lines = ["---", f"base_model: {plan.base.label}", "base_model_relation: merge", "library_name: transformers",
+             "tags:", *(f"- {t}" for t in tags), "---", "",
+             f"# Merged with rlmerge ({result.method})", "",
+             f"Base model: `{plan.base.label}`. Agents merged: {len(plan.agents)}.", ""]
+    params = dataclasses.asdict(result.params) if dataclasses.is_dataclass(result.params) else {}
+    if params:
+        lines += ["Parameters: " + ", ".join(f"`{k}={v}`" for k, v in params.items()), ""]
+    rows = agent_rows(result)
+    cols = [c for c in ("agent", "density", "changed", "unique", "shared", "rho", "lambda") if c in rows[0]]
+    lines += ["| " + " | ".join("ρ" if c == "rho" else "λ" if c == "lambda" else c for c in cols) + " |",
+              "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r[c]
+            cells.append(f"{v:.2%}" if c == "density" else f"{v:.4f}" if isinstance(v, float) else f"{v}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Elements counted: {result.statistics.numel:,} (changed means |τ| > {result.statistics.epsilon:g}).",
+              "Provenance (inputs, file hashes, parameters): `rlmerge.json`.", ""]
+    if result.warnings:
+        lines += ["## Warnings", "", *(f"- {w}" for w in result.warnings), ""]
+    return "\n".join(lines)

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny checkpoints with known sparse task vectors, and a loader for merged outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlmerge.synthetic import Shape, make_example
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Tiny tensors: torch's intra-op threads only add contention (measured: a bincount of 3,000 elements took 28 ms
+# with 2 threads on a loaded 2-core machine, 0.02 ms with 1).
+torch.set_num_threads(1)
+
+# Small enough to be instant, with several tensors larger than the smallest block sizes tested.
+TINY = Shape("qwen2", vocab=128, hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, tie=True)
+
+
+@pytest.fixture
+def example(tmp_path: Path) -> tuple[Path, list[Path]]:
+    """bf16 base + three agents with the paper's densities (3.2 / 46.2 / 54.3 %)."""
+    return make_example(tmp_path / "in", shape=TINY)
+
+
+def load_output(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint folder."""
+    index = folder / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(folder / f)))
+    return out
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype != torch.bool else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype != torch.bool else b[k]), k

@@ -1,0 +1,199 @@
+"""The command line: every bad input gets its exit code, a message naming file and tensor, and no output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import load_output
+from rlmerge.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def nothing_written(out: Path) -> bool:
+    return not out.exists() and not list(out.parent.glob(f".{out.name}*"))
+
+
+def _edit(model: Path, fn) -> None:  # rewrite a model's single safetensors file through fn(dict) -> dict
+    f = model / "model.safetensors"
+    tensors = load_file(str(f))
+    save_file(fn(tensors), str(f), metadata={"format": "pt"})
+
+
+def test_merge_prints_rho_and_lambda(example, tmp_path: Path, capsys) -> None:
+    base, agents = example
+    code, out, _ = run(capsys, "merge", base, *agents, "-o", tmp_path / "m", "--method", "ram+")
+    assert code == 0
+    assert "ρ" in out and "λ" in out and "coder" in out
+    code, out, _ = run(capsys, "merge", base, *agents, "-o", tmp_path / "m2", "--json", "--preset", "official",
+                       "--rescale-factor", "1.5")
+    doc = json.loads(out)
+    assert code == 0 and doc["method"] == "ram+" and len(doc["agents"]) == 3
+    assert all(1.0 <= a["lambda"] <= 1.5 for a in doc["agents"])
+
+
+def test_missing_tensor_is_an_error_unless_allowed(example, tmp_path: Path, capsys) -> None:
+    base, agents = example
+    _edit(agents[1], lambda t: {k: v for k, v in t.items() if k != "model.layers.0.mlp.up_proj.weight"})
+    out = tmp_path / "m"
+    code, _, err = run(capsys, "merge", base, *agents, "-o", out)
+    assert code == 3
+    assert "model.layers.0.mlp.up_proj.weight" in err and str(agents[1]) in err and "--allow-missing" in err
+    assert nothing_written(out)
+    code, _, _ = run(capsys, "merge", base, *agents, "-o", out, "--allow-missing", "-q")
+    assert code == 0
+    prov = json.loads((out / "rlmerge.json").read_text())
+    assert prov["missing_tensors_allowed"] == {"model.layers.0.mlp.up_proj.weight": [str(agents[1])]}
+
+
+def test_shape_and_vocabulary_mismatch(example, tmp_path: Path, capsys) -> None:
+    base, agents = example
+    _edit(agents[0], lambda t: {**t, "model.embed_tokens.weight": torch.zeros(130, 32, dtype=torch.bfloat16)})
+    _edit(agents[2], lambda t: {**t, "model.norm.weight": torch.zeros(31, dtype=torch.bfloat16)})
+    out = tmp_path / "m"
+    code, _, err = run(capsys, "merge", base, *agents, "-o", out)
+    assert code == 3
+    assert "2 problem(s)" in err  # both reported together
+    assert "model.embed_tokens.weight" in err and "vocabulary" in err
+    assert "model.norm.weight" in err and "[31]" in err
+    assert nothing_written(out)
+
+
+@pytest.mark.parametrize("method", ["ram+", "task_arithmetic"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_in_a_task_vector(example, tmp_path: Path, capsys, method: str, bad: float) -> None:
+    base, agents = example
+    name = "model.layers.1.self_attn.o_proj.weight"  # late in the file: the one-pass merge is mid-write
+
+    def poison(t):
+        w = t[name].clone()
+        w[3, 5] = bad
+        return {**t, name: w}
+
+    _edit(agents[2], poison)
+    out = tmp_path / "m"
+    code, _, err = run(capsys, "merge", base, *agents, "-o", out, "--method", method, "--shard-size", "10KB")
+    assert code == 3
+    assert "NaN or Inf" in err and name in err and str(agents[2]) in err and "element 101" in err
+    assert nothing_written(out)
+
+
+def test_fp32_agent_against_bf16_base_warns(example, tmp_path: Path, capsys) -> None:
+    base, agents = example
+    _edit(agents[0], lambda t: {k: v.float() for k, v in t.items()})
+    code, _, err = run(capsys, "merge", base, *agents, "-o", tmp_path / "m", "-q")
+    assert code == 0
+    assert "F32 against a BF16 base" in err.replace("\n", " ") and "denser" in err
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_unreadable_or_truncated_file(example, tmp_path: Path, capsys, damage: str) -> None:
+    base, agents = example
+    f = agents[1] / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes({"truncate": data[: len(data) - 1000], "garbage": b"\x08\x00\x00\x00\x00\x00\x00\x00not json",
+                   "empty": b""}[damage])
+    out = tmp_path / "m"
+    code, _, err = run(capsys, "merge", base, *agents, "-o", out)
+    assert code == 3 and str(f) in err
+    assert {"truncate": "truncated", "garbage": "not valid JSON", "empty": "shorter"}[damage] in err
+    assert nothing_written(out)
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--method", "nope"], "unknown method 'nope'"),
+    (["--preset", "nope"], "'nope' is not one of 'paper', 'paper-soft', 'official', 'tensor-local'"),
+    (["--r", "-1"], "r = -1.0 is out of range"),
+    (["--eps", "2"], "epsilon = 2.0 is out of range"),
+    (["--rescale-factor", "1.3"], "rescale_factor does not apply to preset 'paper'"),
+    (["--preset", "official", "--alpha", "1"], "alpha does not apply to preset 'official'"),
+    (["--method", "task_arithmetic", "--preset", "paper"], "unknown parameter 'preset'"),
+    (["--method", "task_arithmetic", "--scaling", "99"], "scaling = 99.0 is out of range"),
+    (["--param", "weights=1,2"], "unknown parameter 'weights' for method 'ram+'"),
+    (["--method", "linear", "--param", "weights=1,2"], "2 weight(s) given for 3 agent(s)"),
+    (["--dtype", "int8"], "unknown dtype 'int8'"),
+    (["--shard-size", "lots"], "cannot read size 'lots'"),
+])
+def test_bad_configuration_exit_2(example, tmp_path: Path, capsys, args: list[str], needle: str) -> None:
+    base, agents = example
+    out = tmp_path / "m"
+    code, _, err = run(capsys, "merge", base, *agents, "-o", out, *args)
+    assert code == 2, err
+    assert needle in err.replace("\n", " ")
+    assert nothing_written(out)
+
+
+def test_existing_output_refused_then_forced(example, tmp_path: Path, capsys) -> None:
+    base, agents = example
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = run(capsys, "merge", base, *agents, "-o", out)
+    assert code == 4 and "already exists" in err and "--force" in err
+    assert (out / "keep.txt").read_text() == "mine"
+    code, _, _ = run(capsys, "merge", base, *agents, "-o", out, "--force", "-q")
+    assert code == 0 and not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert not list(tmp_path.glob(".m.rlmerge-*"))
+
+
+def test_missing_folder_and_offline_hub_id_fail_at_once(example, tmp_path: Path, capsys, monkeypatch) -> None:
+    base, agents = example
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    code, _, err = run(capsys, "merge", base, agents[0], "nobody-xyz/not-a-model@v1", str(tmp_path / "nope"),
+                       "-o", tmp_path / "m")
+    assert time.perf_counter() - t0 < 10
+    assert code == 3 and "2 problem(s)" in err
+    assert "nobody-xyz/not-a-model" in err and "HF_HUB_OFFLINE" in err and "no such folder" in err
+    assert nothing_written(tmp_path / "m")
+
+
+def test_recipe(example, tmp_path: Path, capsys) -> None:
+    base, agents = example
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""
+merge_method: task_arithmetic
+base_model: {base}
+models:
+  - model: {agents[0]}
+    parameters: {{weight: 0.5}}
+  - model: {agents[1]}
+  - model: {agents[2]}
+parameters: {{scaling: 0.3}}
+dtype: float32
+""")
+    code, _, err = run(capsys, "merge", "--recipe", recipe, "-o", tmp_path / "m", "-q")
+    assert code == 0, err
+    prov = json.loads((tmp_path / "m" / "rlmerge.json").read_text())
+    assert prov["parameters"] == {"scaling": 0.3, "weights": [0.5, 1.0, 1.0], "normalize": False}
+    assert prov["recipe"]["merge_method"] == "task_arithmetic"
+    b, ags = load_output(base), [load_output(a) for a in agents]
+    name = "model.layers.0.mlp.down_proj.weight"
+    taus = [a[name].float() - b[name].float() for a in ags]
+    want = b[name].float() + (taus[0] * 0.5 + taus[1] * 1.0 + taus[2] * 1.0) * 0.3
+    assert torch.equal(load_output(tmp_path / "m")[name], want)
+    recipe.write_text(recipe.read_text() + "bogus: 1\nslices: []\n")
+    code, _, err = run(capsys, "merge", "--recipe", recipe, "-o", tmp_path / "m2")
+    assert code == 2 and "unsupported key 'bogus'" in err and "unsupported key 'slices'" in err
+
+
+def test_console_script_runs(example, tmp_path: Path) -> None:
+    base, agents = example
+    exe = Path(sys.executable).parent / "rlmerge"
+    proc = subprocess.run([str(exe), "merge", str(base), *map(str, agents), "-o", str(tmp_path / "m"), "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([str(exe), "merge", str(base), "-o", str(tmp_path / "m3")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "need BASE and at least one AGENT" in proc.stderr
