@@ -74,12 +74,12 @@ def test_coding_reward_gives_partial_credit_for_running_code() -> None:
     assert Coding().reward("print(", MAX_EX) == 0.0
 
 
-MEM_EX = Example("memory", "", " 47", {"answer": "47", "codes": ["47", "12", "90"]})
+MEM_EX = Example("memory", "", " teal", {"answer": "teal", "codes": ["teal", "red", "navy"]})
 
 
 @pytest.mark.parametrize(
     ("answer", "score", "reward"),
-    [(" 47", 1.0, 1.0), ("47\n12", 1.0, 1.0), ("12", 0.0, 0.1), ("4", 0.0, 0.0), ("", 0.0, 0.0)],
+    [(" teal", 1.0, 1.0), ("teal\nred", 1.0, 1.0), ("red", 0.0, 0.1), ("tea", 0.0, 0.0), ("", 0.0, 0.0)],
 )
 def test_memory_scorer(answer: str, score: float, reward: float) -> None:
     assert Memory().score(answer, MEM_EX) == score
@@ -99,7 +99,7 @@ def test_gold_targets_score_one_and_splits_are_deterministic(name: str) -> None:
 
 def test_memory_answer_is_in_the_context_once() -> None:
     for ex in make_split(Memory(), "test", 50):
-        key = ex.prompt.split("what is the code of ")[1].split(" ?")[0]
+        key = ex.prompt.split("question: the code of ")[1].split(" is")[0]
         assert ex.prompt.count(f"the code of {key} is {ex.check['answer']} .") == 1
 
 

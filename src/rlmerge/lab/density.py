@@ -22,9 +22,7 @@ def load_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors checkpoint, upcast to float32."""
     files = sorted(Path(checkpoint).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors in {checkpoint}; save the model with safe_serialization=True"
-        )
+        raise FileNotFoundError(f"no *.safetensors in {checkpoint}; save the model with safe_serialization=True")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update({k: v.float() for k, v in load_file(f).items()})
@@ -40,9 +38,7 @@ def task_vector_stats(base: Path, agents: dict[str, Path], epsilon: float = 1e-5
     for name, path in agents.items():
         state = load_state(path)
         if state.keys() != base_state.keys():
-            raise ValueError(
-                f"{path} does not have the base's tensors: {sorted(state.keys() ^ base_state.keys())[:5]}"
-            )
+            raise ValueError(f"{path} does not have the base's tensors: {sorted(state.keys() ^ base_state.keys())[:5]}")
         deltas[name] = [(state[k] - base_state[k]).flatten() for k in sorted(base_state)]
         masks[name] = [d.abs() > epsilon for d in deltas[name]]
     total = sum(t.numel() for t in base_state.values())

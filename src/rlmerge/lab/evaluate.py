@@ -6,12 +6,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rlmerge.lab.tasks import Example, make_family
+from rlmerge.lab.tokenizer import load_tokenizer
 
 # Longest gold answer per family in tokens, plus slack; greedy decoding stops at EOS before this.
-MAX_NEW_TOKENS = {"tool_use": 36, "coding": 24, "memory": 4}
+MAX_NEW_TOKENS = {"tool_use": 36, "coding": 24, "memory": 3}
 
 
 @torch.no_grad()
@@ -25,9 +26,7 @@ def generate(
     tokenizer.padding_side = "left"
     outputs: list[str] = []
     for i in range(0, len(prompts), batch_size):
-        enc = tokenizer(
-            prompts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
-        )
+        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
         gen = model.generate(
             **enc,
             max_new_tokens=max_new_tokens,
@@ -39,9 +38,7 @@ def generate(
     return outputs
 
 
-def score_examples(
-    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, examples: list[Example]
-) -> float:
+def score_examples(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, examples: list[Example]) -> float:
     """Mean strict score (0..1) of greedy answers over examples of one family."""
     if not examples:
         raise ValueError("no examples to score")
@@ -57,7 +54,7 @@ def load_checkpoint(path: Path | str) -> tuple[torch.nn.Module, PreTrainedTokeni
     """Load any HF causal-LM checkpoint for scoring, upcast to float32 (CPU bf16 matmuls are slow)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
-    return model, AutoTokenizer.from_pretrained(path)
+    return model, load_tokenizer(path)
 
 
 def score_checkpoint(path: Path | str, test_sets: dict[str, list[Example]]) -> dict[str, float]:

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from rlmerge.lab.evaluate import MAX_NEW_TOKENS
 from rlmerge.lab.model import save_bf16
 from rlmerge.lab.tasks import Example, make_family, make_split
+from rlmerge.lab.tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def train_agent(
 ) -> dict[str, float]:
     """GRPO-train a copy of the base on one family and save it in bf16. Returns timing and reward stats."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    tokenizer = load_tokenizer(base_dir)
     tokenizer.padding_side = "left"
     # Train in float32 from the bf16 base values; only the saved agent is rounded back to bf16.
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)

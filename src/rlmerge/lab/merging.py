@@ -22,13 +22,11 @@ class MethodPlan:
     label: str  # row name in the table, e.g. "RAM+ (paper)"
     method: str  # engine name, e.g. "ram+"
     grid: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # empty: one fixed merge
+    needs_fisher: bool = False  # the pipeline estimates each agent's diagonal Fisher first (side inputs)
 
     def candidates(self) -> list[dict[str, Any]]:
         keys = sorted(self.grid)
-        return [
-            dict(zip(keys, values, strict=True))
-            for values in itertools.product(*(self.grid[k] for k in keys))
-        ]
+        return [dict(zip(keys, values, strict=True)) for values in itertools.product(*(self.grid[k] for k in keys))]
 
 
 # Grids are small on purpose: 2-4 points per baseline, as the paper's own tuning. RAM / RAM+ use the
@@ -39,7 +37,7 @@ METHOD_PLANS: tuple[MethodPlan, ...] = (
     MethodPlan("TIES", "ties", {"density": [0.2, 0.5], "scaling": [0.5, 1.0]}),
     MethodPlan("DARE+TA", "dare_ta", {"density": [0.3, 0.7], "scaling": [0.5, 1.0]}),
     MethodPlan("DARE+TIES", "dare_ties", {"density": [0.3, 0.7], "scaling": [0.5, 1.0]}),
-    MethodPlan("Fisher", "fisher"),
+    MethodPlan("Fisher", "fisher", needs_fisher=True),
     MethodPlan("RAM", "ram"),
     MethodPlan("RAM+ (paper)", "ram+", {"preset": ["paper"]}),
     MethodPlan("RAM+ (paper-soft)", "ram+", {"preset": ["paper-soft"]}),
@@ -49,6 +47,10 @@ METHOD_PLANS: tuple[MethodPlan, ...] = (
 
 class EngineUnavailable(RuntimeError):
     """The merge engine (or one method of it) is not installed; the lab reports and skips."""
+
+
+class MergeFailed(RuntimeError):
+    """The engine refused a merge (bad parameters, mismatched checkpoints); the message is the engine's."""
 
 
 def registered_methods() -> set[str] | None:
@@ -98,3 +100,13 @@ def merge_checkpoints(
     if lambdas is not None:
         info["lambdas"] = [float(x) for x in lambdas]
     return info
+
+
+def estimate_fishers(agents: Sequence[Path], data: Sequence[Path], out: Path, examples: int) -> list[Path]:
+    """Each agent's empirical diagonal Fisher on its own task's data, via the engine's estimator."""
+    from rlmerge.fisher_estimate import estimate_fisher
+
+    return [
+        Path(estimate_fisher(agent, jsonl, out / f"fisher-{i}", examples=examples, force=True))
+        for i, (agent, jsonl) in enumerate(zip(agents, data, strict=True))
+    ]

@@ -68,15 +68,13 @@ def warm_up(
     seed: int = 0,
     log_every: int = 50,
 ) -> list[float]:
-    """Supervised warm-up on an equal mix of the three families. Returns the loss curve.
+    """Supervised warm-up on a mix of the three families. Returns the loss curve.
 
     Deliberately short: the base should know the formats and be partly right, leaving the RL agents
     room to improve on their own family.
     """
     pool = [
-        ex
-        for name in FAMILIES
-        for ex in make_split(make_family(name), "warmup", steps * batch_size // 3 + 1, seed)
+        ex for name in FAMILIES for ex in make_split(make_family(name), "warmup", steps * batch_size // 3 + 1, seed)
     ]
     rng = random.Random(seed)
     rng.shuffle(pool)

@@ -20,7 +20,15 @@ import torch
 from rlmerge.lab.density import PAPER_DENSITY, PAPER_UNIQUE_SHARE, task_vector_stats
 from rlmerge.lab.evaluate import score_checkpoint
 from rlmerge.lab.grpo import GRPOSettings, train_agent
-from rlmerge.lab.merging import METHOD_PLANS, EngineUnavailable, MethodPlan, merge_checkpoints, skip_reason
+from rlmerge.lab.merging import (
+    METHOD_PLANS,
+    EngineUnavailable,
+    MergeFailed,
+    MethodPlan,
+    estimate_fishers,
+    merge_checkpoints,
+    skip_reason,
+)
 from rlmerge.lab.model import ModelShape, build_model, save_bf16, warm_up
 from rlmerge.lab.report import markdown_table, plot
 from rlmerge.lab.tasks import FAMILIES, Example, make_family, make_split
@@ -37,6 +45,7 @@ class LabSize:
     n_val: int  # per family, for choosing each baseline's hyperparameters
     n_test: int  # per family, held out
     max_grid: int = 99  # cap on grid points per method (smoke keeps one)
+    n_fisher: int = 64  # examples per agent for the diagonal Fisher
 
 
 SIZES: dict[str, LabSize] = {
@@ -49,6 +58,7 @@ SIZES: dict[str, LabSize] = {
         n_val=4,
         n_test=6,
         max_grid=1,
+        n_fisher=4,
     ),
     "tiny": LabSize("tiny", ModelShape(), 400, 32, GRPOSettings(), n_val=48, n_test=128),
 }
@@ -93,14 +103,31 @@ def build_base(size: LabSize, out: Path, seed: int) -> dict[str, float]:
     }
 
 
+def _fisher_inputs(agents: list[Path], work: Path, examples: int, seed: int) -> dict[str, Any]:
+    """Each agent's diagonal Fisher on (prompt, gold answer) pairs of its own family's training split."""
+    data = []
+    for fam in FAMILIES:
+        path = work / f"fisher-data-{fam}.jsonl"
+        rows = make_split(make_family(fam), "train", examples, seed + 7)
+        path.write_text("".join(json.dumps({"prompt": ex.prompt, "completion": ex.target}) + "\n" for ex in rows))
+        data.append(path)
+    return {"fisher": [str(p) for p in estimate_fishers(agents, data, work, examples)]}
+
+
 def _merge_and_choose(
-    plan: MethodPlan, base: Path, agents: list[Path], work: Path, val: dict[str, list[Example]], max_grid: int
+    plan: MethodPlan,
+    base: Path,
+    agents: list[Path],
+    work: Path,
+    val: dict[str, list[Example]],
+    max_grid: int,
+    extra: dict[str, Any],
 ) -> tuple[Path, str]:
     """Merge every grid point, keep the one with the best validation average. Returns (path, note)."""
     best: tuple[float, Path, str] | None = None
     for i, params in enumerate(plan.candidates()[:max_grid]):
-        out = work / f"{plan.method}-{i}"
-        info = merge_checkpoints(base, agents, out, plan.method, params)
+        out = work / f"{plan.label.replace(' ', '_').replace('/', '_')}-{i}"
+        info = merge_checkpoints(base, agents, out, plan.method, {**params, **extra})
         val_avg = statistics.fmean(score_checkpoint(out, val).values()) if len(plan.candidates()) > 1 else 0.0
         note = ", ".join(f"{k}={v}" for k, v in params.items())
         if "lambdas" in info:
@@ -144,8 +171,10 @@ def run_seed(size: LabSize, out: Path, seed: int, methods: list[MethodPlan]) -> 
             continue
         _log(f"seed {seed}: merge {plan.label}")
         try:
-            chosen, note = _merge_and_choose(plan, base, agents, out / "merges", val, size.max_grid)
-        except (EngineUnavailable, ValueError, TypeError, KeyError, NotImplementedError) as err:
+            (out / "merges").mkdir(parents=True, exist_ok=True)
+            extra = _fisher_inputs(agents, out / "merges", size.n_fisher, seed) if plan.needs_fisher else {}
+            chosen, note = _merge_and_choose(plan, base, agents, out / "merges", val, size.max_grid, extra)
+        except (EngineUnavailable, MergeFailed) as err:
             # The engine refused these parameters (e.g. an unknown name): report, keep going.
             res.skipped[plan.label] = f"{type(err).__name__}: {err}"
             _log(f"seed {seed}: {plan.label} failed: {err}")
@@ -164,7 +193,7 @@ def run_seed(size: LabSize, out: Path, seed: int, methods: list[MethodPlan]) -> 
             path = out / "merges" / f"unique-{fam}-{'divN' if divide else 'full'}"
             try:
                 merge_checkpoints(base, agents, path, "unique", {"agent": i, "divide_by_n": divide})
-            except (EngineUnavailable, ValueError, TypeError, KeyError, NotImplementedError) as err:
+            except (EngineUnavailable, MergeFailed) as err:
                 res.skipped[label] = f"{type(err).__name__}: {err}"
                 continue
             res.scores[label] = score_checkpoint(path, test)
@@ -172,9 +201,7 @@ def run_seed(size: LabSize, out: Path, seed: int, methods: list[MethodPlan]) -> 
     return res
 
 
-def run_lab(
-    size_name: str, out: Path, *, seeds: int = 1, methods: list[MethodPlan] | None = None
-) -> dict[str, Any]:
+def run_lab(size_name: str, out: Path, *, seeds: int = 1, methods: list[MethodPlan] | None = None) -> dict[str, Any]:
     """Run the whole lab for `seeds` seeds and write results.json, table.md and plot.png into `out`."""
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(var, "1")

@@ -34,8 +34,7 @@ def markdown_table(scores: Scores, notes: Mapping[str, str] | None = None) -> st
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row, cols in table.items():
         cells = [
-            f"{m:.1f} ± {s:.1f}" if seeds > 1 else f"{m:.1f}"
-            for m, s in (cols[c] for c in [*FAMILIES, "average"])
+            f"{m:.1f} ± {s:.1f}" if seeds > 1 else f"{m:.1f}" for m, s in (cols[c] for c in [*FAMILIES, "average"])
         ]
         extra = [notes.get(row, "")] if notes else []
         lines.append("| " + " | ".join([row, *cells, *extra]) + " |")

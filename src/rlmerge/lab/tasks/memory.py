@@ -1,7 +1,10 @@
 """Memory: answer a question whose answer is buried in a long context of distractor facts.
 
-The context is a list of "the code of KEY is NN ." facts mixed with filler sentences; the question asks for
-one key's code. Only the exact two-digit number is correct.
+The context is a list of "the code of KEY is WORD ." facts mixed with filler sentences; the question
+restates one fact up to its code ("the code of owl is") and the answer is that key's code word. Only the
+exact word is correct. Codes are single words (not numbers) so that the task is pure retrieval: a tiny model
+learns to copy one token from the matching fact within minutes, while multi-token numbers took it far
+longer than the lab's budget.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ KEYS = [
     "rat",
     "jay",
 ]
+CODES = ["red", "blue", "gold", "pink", "grey", "jade", "ruby", "teal", "navy", "lime", "rose", "sand", "plum", "mint"]
 FILLER = [
     "the sky is grey .",
     "it rained all day .",
@@ -47,15 +51,13 @@ class Memory:
 
     def sample(self, rng: random.Random) -> Example:
         keys = rng.sample(KEYS, self.n_facts)
-        codes = [rng.randint(10, 99) for _ in keys]
+        codes = rng.sample(CODES, self.n_facts)
         lines = [f"the code of {k} is {c} ." for k, c in zip(keys, codes, strict=True)]
         lines += rng.sample(FILLER, min(self.n_filler, len(FILLER)))
         rng.shuffle(lines)
         ask = rng.randrange(self.n_facts)
-        prompt = f"notes: {' '.join(lines)}\nquestion: what is the code of {keys[ask]} ?\nanswer:"
-        return Example(
-            self.name, prompt, f" {codes[ask]}", {"answer": str(codes[ask]), "codes": [str(c) for c in codes]}
-        )
+        prompt = f"notes: {' '.join(lines)}\nquestion: the code of {keys[ask]} is"
+        return Example(self.name, prompt, f" {codes[ask]}", {"answer": codes[ask], "codes": codes})
 
     def reward(self, completion: str, example: Example) -> float:
         got = answer_part(completion)
@@ -68,6 +70,6 @@ class Memory:
         return float(answer_part(completion) == example.check["answer"])
 
     def words(self) -> list[str]:
-        words = set(KEYS) | {"notes", "question", "what", "is", "the", "code", "of", "answer"}
+        words = set(KEYS) | set(CODES) | {"notes", "question", "is", "the", "code", "of"}
         words |= {w for s in FILLER for w in s.split()}
         return sorted(words)

@@ -49,9 +49,7 @@ class ToolUse:
     def sample(self, rng: random.Random) -> Example:
         tool = rng.choice(sorted(TOOLS))
         arg_names, pools, templates = TOOLS[tool]
-        values: list[str | int] = [
-            rng.randint(2, 99) if pool == "num" else rng.choice(pool) for pool in pools
-        ]
+        values: list[str | int] = [rng.randint(2, 99) if pool == "num" else rng.choice(pool) for pool in pools]
         shown = rng.sample([t for t in sorted(TOOLS) if t != tool], 2) + [tool]
         rng.shuffle(shown)
         request = rng.choice(templates).format(*values)
@@ -86,20 +84,12 @@ class ToolUse:
     def score(self, completion: str, example: Example) -> float:
         call = self._parse(completion)
         want = example.check["call"]
-        ok = (
-            call is not None
-            and call["name"] == want["name"]
-            and self._same_args(call["arguments"], want["arguments"])
-        )
+        ok = call is not None and call["name"] == want["name"] and self._same_args(call["arguments"], want["arguments"])
         return float(ok)
 
     def words(self) -> list[str]:
         pools = [CITIES, UNITS, TOPICS, PEOPLE, FOODS, ["fr", "de", "es"]]
-        words = (
-            {w for pool in pools for w in pool}
-            | set(TOOLS)
-            | {"tools", "request", "call", "name", "arguments"}
-        )
+        words = {w for pool in pools for w in pool} | set(TOOLS) | {"tools", "request", "call", "name", "arguments"}
         for arg_names, _, templates in TOOLS.values():
             words |= set(arg_names)
             words |= {w for t in templates for w in t.replace("{0}", " ").replace("{1}", " ").split()}
