@@ -7,6 +7,7 @@ not compare text with the gold program.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 
@@ -52,6 +53,14 @@ OPS: dict[str, tuple[list[str], str, Callable[[list[int] | str], str]]] = {
 STRING_OPS = {"upper", "reverse"}
 
 
+@functools.lru_cache(maxsize=4096)
+def _run_cached(code: str, timeout_s: float) -> tuple[bool, str]:
+    # The programs are deterministic (no input, no clock, no randomness without imports), and a GRPO group
+    # often holds the same program several times: one sandbox run per distinct program is enough.
+    result = run_python(code, timeout_s=timeout_s)
+    return result.ok, result.stdout.strip()
+
+
 class Coding:
     name = "coding"
 
@@ -74,8 +83,7 @@ class Coding:
         code = answer_part(completion)
         if not code:
             return False, ""
-        result = run_python(code, timeout_s=self.timeout_s)
-        return result.ok, result.stdout.strip()
+        return _run_cached(code, self.timeout_s)
 
     def reward(self, completion: str, example: Example) -> float:
         ran, out = self._run(completion)
