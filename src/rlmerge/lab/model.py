@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 from rlmerge.lab.tasks import Example, make_split
 from rlmerge.lab.tasks.coding import Coding
+from rlmerge.lab.tasks.demonstrator import demonstrate
 from rlmerge.lab.tasks.memory import Memory
 from rlmerge.lab.tasks.tool_use import ToolUse
 
@@ -46,18 +47,19 @@ def build_model(tokenizer: PreTrainedTokenizerBase, shape: ModelShape, seed: int
     return Qwen2ForCausalLM(config)
 
 
-def warmup_pool(n: int, seed: int) -> list[Example]:
+def warmup_pool(n: int, seed: int, demonstrator_error: float = 0.7) -> list[Example]:
     """Warm-up data: tool use and coding at one share each, memory at two, with a curriculum.
 
     Memory gets twice the share and contexts of 1 to 6 facts (the test has 6): retrieval from context
     (an induction-style circuit) is what a small model learns last, and with 6-fact contexts only it
     stayed near chance after 800 steps. One fact teaches "copy the code"; more facts teach choosing by key.
+    The answers come from an imperfect demonstrator (`rlmerge.lab.tasks.demonstrator`): the gap RL closes.
     """
     unit = n // 4 + 1
     pool = make_split(ToolUse(), "warmup", unit, seed) + make_split(Coding(), "warmup", unit, seed)
     for k in range(1, 7):
         pool += make_split(Memory(n_facts=k, n_filler=min(3, k)), "warmup", 2 * unit // 6 + 1, seed + k)
-    return pool
+    return demonstrate(pool, demonstrator_error, seed)
 
 
 def _batch(examples: list[Example], tokenizer: PreTrainedTokenizerBase) -> dict[str, torch.Tensor]:

@@ -60,7 +60,7 @@ SIZES: dict[str, LabSize] = {
         max_grid=1,
         n_fisher=4,
     ),
-    "tiny": LabSize("tiny", ModelShape(), 800, 32, GRPOSettings(), n_val=48, n_test=128),
+    "tiny": LabSize("tiny", ModelShape(), 700, 32, GRPOSettings(), n_val=48, n_test=128),
 }
 
 

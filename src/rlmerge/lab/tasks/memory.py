@@ -55,9 +55,11 @@ class Memory:
         lines = [f"the code of {k} is {c} ." for k, c in zip(keys, codes, strict=True)]
         lines += rng.sample(FILLER, min(self.n_filler, len(FILLER)))
         rng.shuffle(lines)
+        # Codes in the order they appear in the notes (the warm-up demonstrator's bias uses the first).
+        in_order = [line.split(" is ")[1][:-2] for line in lines if line.startswith("the code of")]
         ask = rng.randrange(self.n_facts)
         prompt = f"notes: {' '.join(lines)}\nquestion: the code of {keys[ask]} is"
-        return Example(self.name, prompt, f" {codes[ask]}", {"answer": codes[ask], "codes": codes})
+        return Example(self.name, prompt, f" {codes[ask]}", {"answer": codes[ask], "codes": in_order})
 
     def reward(self, completion: str, example: Example) -> float:
         got = answer_part(completion)
