@@ -83,3 +83,9 @@ def test_grid_candidates_are_the_cartesian_product() -> None:
     plan = MethodPlan("TIES", "ties", {"density": [0.2, 0.5], "scaling": [1.0]})
     assert plan.candidates() == [{"density": 0.2, "scaling": 1.0}, {"density": 0.5, "scaling": 1.0}]
     assert MethodPlan("RAM", "ram").candidates() == [{}]
+
+
+def test_unchanged_agent_has_rho_zero(tmp_path: Path) -> None:
+    base = {"w": torch.zeros(4)}
+    stats = task_vector_stats(_save(tmp_path / "base", base), {"a": _save(tmp_path / "a", base)})
+    assert stats["agents"]["a"]["rho"] == 0.0 and stats["agents"]["a"]["density_pct"] == 0.0

@@ -51,7 +51,8 @@ def task_vector_stats(base: Path, agents: dict[str, Path], epsilon: float = 1e-5
         per_agent[n] = {
             "density_pct": 100.0 * changed / total,
             "unique_share_pct": 100.0 * unique / changed if changed else 0.0,
-            "rho": shared / unique if unique else float("inf"),
+            # ρ as the method page defines its edge cases: 0 for an unchanged agent, ∞ with no unique part.
+            "rho": (shared / unique if unique else float("inf")) if changed else 0.0,
             "changed": float(changed),
         }
     overlap = {  # share of a's changed elements that b also changed

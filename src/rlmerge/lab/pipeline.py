@@ -52,9 +52,9 @@ SIZES: dict[str, LabSize] = {
     "smoke": LabSize(
         "smoke",
         ModelShape(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64),
-        8,
-        8,
-        GRPOSettings(steps=2, prompts_per_step=2, generations=4),
+        60,  # enough for some partial rewards, so GRPO's advantages (and the task vectors) are not all zero
+        16,
+        GRPOSettings(steps=3, prompts_per_step=2, generations=4),
         n_val=4,
         n_test=6,
         max_grid=1,
