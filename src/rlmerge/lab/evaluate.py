@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from rlmerge.lab.tasks import Example, make_family
 from rlmerge.lab.tokenizer import load_tokenizer
@@ -52,6 +53,8 @@ def score_examples(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, e
 
 def load_checkpoint(path: Path | str) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """Load any HF causal-LM checkpoint for scoring, upcast to float32 (CPU bf16 matmuls are slow)."""
+    # Progress bars for loading a 1 MB model are noise in a 30-checkpoint run (and corrupt --json output).
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     return model, load_tokenizer(path)
