@@ -39,7 +39,7 @@ def wrong_target(ex: Example) -> str | None:
                 return ex.target.replace(right, wrong)
         return None
     if ex.family == "memory":
-        key = ex.prompt.rsplit("question: ", 1)[1].strip()
+        key = ex.prompt.rsplit("the code of ", 1)[1].split(" ")[0]
         first = ex.check["codes"][0] if "codes" in ex.check else None
         if key not in BIASED_KEYS or first is None or first == ex.check["answer"]:
             return None

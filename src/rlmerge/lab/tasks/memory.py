@@ -1,10 +1,10 @@
 """Memory: answer a question whose answer is buried in a long context of distractor facts.
 
-The context is a list of "KEY WORD ." notes (a key and its code) mixed with filler sentences; the question
-names one key and the answer is that key's code word. Only the exact word is correct. The shape is chosen
-for a tiny model's budget (measured, docs/lab.md): codes are single words, and the key stands right before
-its code, so retrieval is one induction step (find the earlier " owl", copy what followed). With
-"the code of owl is NN" the base stayed at chance after 800 warm-up steps.
+The context is a list of "the code of KEY is WORD ." facts mixed with filler sentences; the question
+restates one fact up to its code ("the code of owl is") and the answer is that key's code word. Only the
+exact word is correct. Codes are single words (not numbers) so that the task is pure retrieval: a tiny model
+learns to copy one token from the matching fact within minutes, while multi-token numbers took it far
+longer than the lab's budget.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ class Memory:
     def sample(self, rng: random.Random) -> Example:
         keys = rng.sample(KEYS, self.n_facts)
         codes = rng.sample(CODES, self.n_facts)
-        lines = [f"{k} {c} ." for k, c in zip(keys, codes, strict=True)]
+        lines = [f"the code of {k} is {c} ." for k, c in zip(keys, codes, strict=True)]
         lines += rng.sample(FILLER, min(self.n_filler, len(FILLER)))
         rng.shuffle(lines)
         # Codes in the order they appear in the notes (the warm-up demonstrator's bias uses the first).
-        in_order = [line.split(" ")[1] for line in lines if line.split(" ")[0] in KEYS]
+        in_order = [line.split(" is ")[1][:-2] for line in lines if line.startswith("the code of")]
         ask = rng.randrange(self.n_facts)
-        prompt = f"notes: {' '.join(lines)}\nquestion: {keys[ask]}"
+        prompt = f"notes: {' '.join(lines)}\nquestion: the code of {keys[ask]} is"
         return Example(self.name, prompt, f" {codes[ask]}", {"answer": codes[ask], "codes": in_order})
 
     def reward(self, completion: str, example: Example) -> float:
@@ -72,6 +72,6 @@ class Memory:
         return float(answer_part(completion) == example.check["answer"])
 
     def words(self) -> list[str]:
-        words = set(KEYS) | set(CODES) | {"notes", "question"}
+        words = set(KEYS) | set(CODES) | {"notes", "question", "is", "the", "code", "of"}
         words |= {w for s in FILLER for w in s.split()}
         return sorted(words)
