@@ -15,9 +15,9 @@ import typer
 
 def lab_command(
     size: Annotated[str, typer.Option(help="smoke (CI, < 3 min) or tiny (< 20 min on 2 cores).")] = "tiny",
-    out: Annotated[
-        Path, typer.Option(help="Folder for checkpoints, results.json, table.md, plot.png.")
-    ] = Path("lab-output"),
+    out: Annotated[Path, typer.Option(help="Folder for checkpoints, results.json, table.md, plot.png.")] = Path(
+        "lab-output"
+    ),
     seeds: Annotated[int, typer.Option(min=1, help="Repeat the whole pipeline with this many seeds.")] = 1,
     grpo_steps: Annotated[int | None, typer.Option(help="Override the GRPO steps per agent.")] = None,
     warmup_steps: Annotated[int | None, typer.Option(help="Override the base model's warm-up steps.")] = None,
@@ -34,8 +34,7 @@ def lab_command(
         for label, reason in res["skipped"].items():
             typer.echo(f"skipped {label}: {reason}")
     typer.echo(
-        f"\nwrote {out / 'results.json'}, {out / 'table.md'}, {out / 'plot.png'} "
-        f"in {summary['total_seconds']:.0f} s"
+        f"\nwrote {out / 'results.json'}, {out / 'table.md'}, {out / 'plot.png'} in {summary['total_seconds']:.0f} s"
     )
 
 

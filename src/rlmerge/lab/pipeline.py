@@ -51,10 +51,10 @@ class LabSize:
 SIZES: dict[str, LabSize] = {
     "smoke": LabSize(
         "smoke",
-        ModelShape(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64),
-        60,  # enough for some partial rewards, so GRPO's advantages (and the task vectors) are not all zero
+        ModelShape(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128),
+        400,  # enough for some partial rewards, so GRPO's advantages (and the task vectors) are not all zero
         16,
-        GRPOSettings(steps=3, prompts_per_step=2, generations=4),
+        GRPOSettings(steps=3, prompts_per_step=4, generations=4, temperature=0.7),
         n_val=4,
         n_test=6,
         max_grid=1,
