@@ -33,6 +33,8 @@ def lab_command(
     for res in summary["seeds"]:
         for label, reason in res["skipped"].items():
             typer.echo(f"skipped {label}: {reason}")
+        for warning in res["warnings"]:
+            typer.echo(f"warning (seed {res['seed']}): {warning}")
     typer.echo(
         f"\nwrote {out / 'results.json'}, {out / 'table.md'}, {out / 'plot.png'} in {summary['total_seconds']:.0f} s"
     )

@@ -73,6 +73,7 @@ class SeedResult:
     timings: dict[str, float] = field(default_factory=dict)
     training: dict[str, dict[str, float]] = field(default_factory=dict)
     task_vectors: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
 
 def _log(msg: str) -> None:
@@ -162,6 +163,11 @@ def run_seed(size: LabSize, out: Path, seed: int, methods: list[MethodPlan]) -> 
     for fam, path in zip(FAMILIES, agents, strict=True):
         res.scores[f"Specialist: {fam}"] = score_checkpoint(path, test)
     res.timings["score_base_and_specialists"] = time.time() - t
+    for fam in FAMILIES:
+        # The sanity check on the RL set-up: a specialist must beat the base on its own task.
+        if res.scores[f"Specialist: {fam}"][fam] <= res.scores["Base"][fam]:
+            res.warnings.append(f"specialist {fam} does not beat the base on {fam}")
+            _log(f"seed {seed}: WARNING specialist {fam} does not beat the base on its own task")
     t = time.time()
     for plan in methods:
         reason = skip_reason(plan.method)
