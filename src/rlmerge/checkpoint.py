@@ -90,20 +90,23 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
 
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"safetensors header is not valid JSON ({e})", file=str(path),
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise InputError(f"safetensors header is not valid JSON ({type(e).__name__})", file=str(path),
                          hint="the file is corrupt or not safetensors") from e
     if not isinstance(header, dict):
         raise InputError("safetensors header is not a JSON object", file=str(path))
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise InputError("safetensors __metadata__ is not a mapping of strings", file=str(path),
+                         hint="the file is corrupt; re-save the checkpoint")
     data_start = 8 + n
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, entry in header.items():
         try:
             dtype = DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
+            shape = tuple(_json_int(d) for d in entry["shape"])
+            begin, end = (_json_int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"malformed header entry ({e!r})", file=str(path), tensor=name,
                              hint="the file is corrupt; re-save the checkpoint") from e
@@ -124,6 +127,19 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
     return tensors, {str(k): str(v) for k, v in meta.items()}, raw
 
 
+def _json_int(x: Any) -> int:
+    """A JSON integer; floats and booleans in a header are lies, not sizes."""
+    if type(x) is not int:
+        raise TypeError(f"{x!r} is not an integer")
+    return x
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    """Whether ``path`` (symlinks resolved) lies inside one of ``roots``."""
+    real = path.resolve()
+    return any(real == r or r in real.parents for r in roots)
+
+
 class Checkpoint:
     """A model folder: its tensors (from headers only), its config and where each byte lives."""
 
@@ -137,7 +153,14 @@ class Checkpoint:
         self._handles: dict[Path, Any] = {}
         self._bin: dict[Path, dict[str, torch.Tensor]] = {}
         self._scratch = bytearray()
-        self.config: dict[str, Any] = self._read_json("config.json") or {}
+        self._roots = _allowed_roots(path)
+        config = self._read_json("config.json")
+        if config is not None and not isinstance(config, dict):
+            raise InputError("config.json is not a JSON object", file=str(path / "config.json"))
+        self.config: dict[str, Any] = config or {}
+        for name in SIDE_FILES:  # copied into the output later: none may point outside the folder
+            if (path / name).is_file():
+                self.check_inside(path / name)
         self._index()
 
     # -- discovery -------------------------------------------------------------------------------------
@@ -145,27 +168,38 @@ class Checkpoint:
         p = self.path / name
         if not p.is_file():
             return None
+        self.check_inside(p)
         try:
-            return json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise InputError(f"cannot parse {name}: {e}", file=str(p)) from e
+            return json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8
+            raise InputError(f"cannot parse {name}: {type(e).__name__}: {e}", file=str(p)) from e
+
+    def check_inside(self, p: Path) -> None:
+        """Refuse a file that resolves (through symlinks) outside the model folder."""
+        if not _inside(p, self._roots):
+            raise InputError(f"{p.name} resolves outside the model folder (to {p.resolve()})", file=str(p),
+                             hint="refusing to read files outside the checkpoint; copy the file into the folder")
 
     def _shard_files(self, index_name: str) -> list[Path]:
         index = self._read_json(index_name)
         wmap = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wmap, dict):
             raise InputError("index has no weight_map", file=str(self.path / index_name))
-        root = self.path.resolve()
+        names = list(wmap.values())
+        if not all(isinstance(n, str) for n in names):
+            raise InputError("index weight_map values must be file names", file=str(self.path / index_name))
         files = []
-        for fname in dict.fromkeys(wmap.values()):
-            p = (self.path / str(fname)).resolve()
-            if root not in p.parents:
+        for fname in dict.fromkeys(names):
+            rel = Path(fname)
+            if rel.is_absolute() or ".." in rel.parts or fname in ("", "."):
                 raise InputError(f"index points outside the model folder: {fname!r}",
                                  file=str(self.path / index_name),
                                  hint="refusing to read files outside the checkpoint; fix the index")
+            p = self.path / rel
             if not p.is_file():
                 raise InputError(f"shard {fname!r} listed in the index is missing",
                                  file=str(self.path / index_name), hint="download the missing shard")
+            self.check_inside(p)
             files.append(p)
         return files
 
@@ -175,10 +209,12 @@ class Checkpoint:
             self.format, files = "safetensors", self._shard_files("model.safetensors.index.json")
         elif (p / "model.safetensors").is_file():
             self.format, files = "safetensors", [p / "model.safetensors"]
+            self.check_inside(files[0])
         elif (p / "pytorch_model.bin.index.json").is_file():
             self.format, files = "bin", self._shard_files("pytorch_model.bin.index.json")
         elif (p / "pytorch_model.bin").is_file():
             self.format, files = "bin", [p / "pytorch_model.bin"]
+            self.check_inside(files[0])
         else:
             raise InputError("no model.safetensors(.index.json) or pytorch_model.bin(.index.json) found",
                              file=str(p), hint="point at a Hugging Face model folder")
@@ -197,12 +233,23 @@ class Checkpoint:
 
     def _bin_file(self, f: Path) -> dict[str, TensorInfo]:
         try:
-            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:  # the pre-1.6 (non-zip) format cannot be memory-mapped: load it whole
+                if "mmap" not in str(e):
+                    raise
+                state = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # pickle errors come in many types; all mean "refused"
             raise InputError(f"cannot load with weights_only=True ({type(e).__name__}: {e})", file=str(f),
                              hint="the file is corrupt or contains code; only plain tensors are loaded") from e
         if not isinstance(state, dict):
             raise InputError("pytorch_model.bin does not hold a state dict", file=str(f))
+        if not all(isinstance(k, str) for k in state):
+            raise InputError("the state dict has keys that are not tensor names", file=str(f),
+                             hint="save the model's state_dict() (names → tensors)")
+        if not any(isinstance(v, torch.Tensor) for v in state.values()):
+            raise InputError("the file holds no tensors at its top level", file=str(f),
+                             hint="a training checkpoint? save the model's state_dict() on its own")
         self._bin[f] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         return {k: TensorInfo(k, v.dtype, tuple(v.shape), f) for k, v in self._bin[f].items()}
 
@@ -221,6 +268,8 @@ class Checkpoint:
         info = self.tensors[name]
         n = stop - start
         dst = out[:n]
+        if n == 0:  # torch.frombuffer refuses empty buffers; an empty tensor has nothing to read
+            return dst
         if self.format == "bin":
             dst.copy_(self._bin[info.file][name].reshape(-1)[start:stop])
             return dst
@@ -238,6 +287,8 @@ class Checkpoint:
     def _read_bytes(self, info: TensorInfo, start: int, stop: int) -> memoryview:
         size = info.dtype.itemsize
         nbytes = (stop - start) * size
+        if nbytes == 0:
+            return memoryview(b"")
         if len(self._scratch) < nbytes:
             self._scratch = bytearray(nbytes)
         view = memoryview(self._scratch)[:nbytes]
@@ -255,6 +306,16 @@ class Checkpoint:
             fh.close()
         self._handles.clear()
         self._scratch = bytearray()
+
+
+def _allowed_roots(folder: Path) -> list[Path]:
+    """The folder itself; for a Hugging Face cache snapshot (``models--o--n/snapshots/REV``) also the
+    repository's ``blobs/``, where the cache's own symlinks point."""
+    root = folder.resolve()
+    roots = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        roots.append(root.parent.parent / "blobs")
+    return roots
 
 
 def resolve(spec: str | os.PathLike[str]) -> tuple[Path, str | None]:

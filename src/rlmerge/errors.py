@@ -53,6 +53,12 @@ class OutputError(RLMergeError):
     exit_code = 4
 
 
+class Interrupted(RLMergeError):
+    """Ctrl-C or SIGTERM stopped a command (the CLI's form of KeyboardInterrupt)."""
+
+    exit_code = 130
+
+
 class ProblemsError(RLMergeError):
     """Several problems found together (validation collects them all before failing)."""
 

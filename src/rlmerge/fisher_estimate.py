@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from .checkpoint import TensorInfo, resolve
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, OutputError
+from .partial import PartialDir
 from .plan import Job
 from .writer import CheckpointWriter
 
@@ -91,7 +92,9 @@ def estimate_fisher(model: str | os.PathLike[str], data: str | os.PathLike[str],
         raise ConfigError("estimating a Fisher needs transformers", hint="pip install 'rlmerge[hf]'") from e
     path, _ = resolve(model)
     out = Path(output)
-    CheckpointWriter(out, [], force=force)  # refuse an existing output before loading anything
+    if out.exists() and not force:  # refuse an existing output before loading anything
+        raise OutputError("output folder already exists", file=str(out),
+                          hint="choose another output folder, or pass --force to replace it")
     rows = read_examples(Path(data), examples)
     tok = AutoTokenizer.from_pretrained(path)
     net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
@@ -119,7 +122,8 @@ def estimate_fisher(model: str | os.PathLike[str], data: str | os.PathLike[str],
 def _write(out: Path, acc: dict[str, torch.Tensor], used: int, *, force: bool, meta: dict[str, Any]) -> None:
     jobs = [Job(n, "merge", TensorInfo(n, torch.float32, tuple(t.shape), Path(n)), torch.float32, ())
             for n, t in acc.items()]
-    with CheckpointWriter(out, jobs, force=force, metadata={"rlmerge_fisher": "empirical"}) as writer:
+    with PartialDir(out, force=force) as partial, \
+            CheckpointWriter(partial, jobs, metadata={"rlmerge_fisher": "empirical"}) as writer:
         for job in jobs:  # one shard, or greedy shards in this order: the writer's order
             writer.begin(job)
             writer.write((acc[job.name] / used).cpu().contiguous())

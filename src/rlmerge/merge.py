@@ -13,14 +13,17 @@ from typing import Any
 import torch
 
 from .blocks import DEFAULT_BLOCK, Block, BlockReader
+from .budget import check_memory, estimate_memory
 from .checkpoint import SIDE_FILES, Checkpoint, open_all
-from .errors import ConfigError, InputError, RLMergeError, raise_all
+from .errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
 from .methods import BlockContext, MethodSpec, get_method
+from .partial import PartialDir, check_output_location, fingerprint
 from .plan import Job, Plan, build_plan
 from .progress import Progress
 from .provenance import model_card, provenance
+from .report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
 from .stats import Statistics, check_finite
-from .writer import DEFAULT_SHARD_SIZE, CheckpointWriter, parse_size
+from .writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, parse_size, shard_header
 
 DTYPE_ALIASES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -55,12 +58,15 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           *, method: str = "ram+", params: Mapping[str, Any] | None = None, dtype: str | None = None,
           shard_size: str | int = DEFAULT_SHARD_SIZE, block_size: int = DEFAULT_BLOCK, device: str = "cpu",
           force: bool = False, allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
-          quiet: bool = True, recipe: Mapping[str, Any] | None = None) -> MergeResult:
+          quiet: bool = True, recipe: Mapping[str, Any] | None = None, resume: bool = False) -> MergeResult:
     """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
 
     >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
     ...                     params={"preset": "paper", "r": 0.1, "alpha": 2.0})  # doctest: +SKIP
     >>> res.lambdas  # doctest: +SKIP
+
+    ``resume=True`` continues a run that was interrupted (Ctrl-C, SIGTERM, disk full) after its last
+    complete shard; the output is byte-identical to an uninterrupted run.
     """
     t0 = time.perf_counter()
     spec = get_method(method)
@@ -68,7 +74,9 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     out_dtype = parse_dtype(dtype)
     shard_bytes = parse_size(shard_size)
     out = Path(output)
-    CheckpointWriter(out, [], force=force)  # refuses an existing output now, before any work
+    if out.exists() and not force:  # refused now, before any work
+        raise OutputError("output folder already exists", file=str(out),
+                          hint="choose another -o, or pass --force to replace it")
     extra_specs = spec.extra_inputs(p) or ()
     if extra_specs and len(extra_specs) != len(agents):
         raise ConfigError(f"method {spec.name!r}: {len(extra_specs)} side input(s) given for {len(agents)} agent(s)",
@@ -76,11 +84,14 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     models = open_all([base, *agents, *extra_specs])
     extras = models[1 + len(agents):]
     try:
+        check_output_location(out, models)
         plan = build_plan(models[0], models[1:1 + len(agents)], dtype=out_dtype, allow_missing=allow_missing,
                           count_tied_twice=count_tied_twice)
         check_side_inputs(plan, extras)
-        result = _run(plan, spec, p, out, shard_bytes=shard_bytes, block_size=block_size, device=device,
-                      force=force, seed=seed, quiet=quiet, recipe=recipe, extras=extras)
+        check_memory(estimate_memory(plan.base, [*plan.agents, *extras], block_size), len(plan.agents))
+        with PartialDir(out, force=force, resume=resume) as partial:
+            result = _run(plan, spec, p, partial, shard_bytes=shard_bytes, block_size=block_size, device=device,
+                          seed=seed, quiet=quiet, recipe=recipe, extras=extras)
     finally:
         for m in models:
             m.close()
@@ -104,33 +115,42 @@ def check_side_inputs(plan: Plan, extras: list[Checkpoint]) -> None:
     raise_all(problems)
 
 
-def _run(plan: Plan, spec: MethodSpec, p: Any, out: Path, *, shard_bytes: int, block_size: int, device: str,
-         force: bool, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
+def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_bytes: int, block_size: int,
+         device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
          extras: list[Checkpoint] | None = None) -> MergeResult:
     stats = Statistics([a.label for a in plan.agents], spec.epsilon(p))
     reader = BlockReader(plan, block_size=block_size, device=device, rows=spec.row_blocks(p), extras=extras or None)
     observer = spec.observer(p, len(plan.agents))
-    two_pass = spec.needs_stats(p) or observer is not None
-    with Progress(quiet=quiet) as progress:
+    metadata = {"rlmerge_method": spec.name}
+    fp = fingerprint([plan.base, *plan.agents, *(extras or [])], {
+        "method": spec.name, "params": repr(p), "seed": seed, "recipe": recipe, "metadata": metadata,
+        "device": torch.device(device).type,  # float results may differ between CPU and GPU kernels
+        "headers": [shard_header(s, metadata).hex() for s in layout_shards(plan.jobs, shard_bytes)]})
+    writer = CheckpointWriter(partial, plan.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp)
+    with Progress(quiet=quiet) as progress, writer:
+        needs_stats = spec.needs_stats(p) or observer is not None
+        # A resumed run skips the kept shards' tensors in the merge pass, so it gathers the statistics
+        # (for the report, and for RAM+'s ρ) in a statistics pass over the whole model first.
+        two_pass = needs_stats or partial.resumed > 0
         if two_pass:
             statistics_pass(plan, reader, stats, progress, observer, seed=seed)
             stats.observed = observer
-        prepared = spec.prepare(p, stats if two_pass else None, len(plan.agents))
+        prepared = spec.prepare(p, stats if needs_stats else None, len(plan.agents))
         warnings = [*plan.warnings, *getattr(prepared, "warnings", ())]
-        result = MergeResult(out, spec.name, p, stats, warnings=warnings, read_bytes=plan.read_bytes,
+        result = MergeResult(partial.output, spec.name, p, stats, warnings=warnings, read_bytes=plan.read_bytes,
                              write_bytes=plan.write_bytes)
         if prepared is not None and hasattr(prepared, "lambdas"):
             result.lambdas, result.rho = list(prepared.lambdas), list(prepared.rho)
-        writer = CheckpointWriter(out, plan.jobs, shard_size=shard_bytes, force=force,
-                                  metadata={"rlmerge_method": spec.name})
-        with writer:
-            merge_pass(plan, reader, spec, p, prepared, stats, writer, progress, collect=not two_pass, seed=seed)
-            if not two_pass:
-                result.warnings += _identical_agents(stats)
-            _side_files(plan.base, writer, plan)
-            writer.write_text("rlmerge.json", provenance(plan, result, recipe))
-            writer.write_text("README.md", model_card(plan, result))
-            writer.finish()
+        merge_pass(plan, reader, spec, p, prepared, stats, writer, progress, collect=not two_pass, seed=seed)
+        if not needs_stats:
+            result.warnings += _identical_agents(stats)
+        _side_files(plan.base, writer, plan)
+        writer.write_text("rlmerge.json", provenance(plan, result, recipe))
+        # The statistics this merge already collected feed the report: no extra pass.
+        doc = build_report(stats, dtype_facts(plan), base=plan.base.label, warnings=result.warnings)
+        writer.write_text(REPORT_FILE, to_json(doc))
+        writer.write_text("README.md", model_card(plan, result) + "\n" + to_markdown(doc, level=2))
+        writer.finish()
     return result
 
 
@@ -182,8 +202,9 @@ def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress
 
 def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepared: Any, stats: Statistics,
                writer: CheckpointWriter, progress: Progress, *, collect: bool, seed: int) -> None:
-    with progress.task("merge", total=plan.write_bytes, tensors=len(plan.jobs)) as bar:
-        for job in plan.jobs:
+    pending = writer.pending(plan.jobs)  # a resumed run skips the shards it kept
+    with progress.task("merge", total=sum(j.out_nbytes for j in pending), tensors=len(pending)) as bar:
+        for job in pending:
             writer.begin(job)
             if job.kind == "copy":
                 for start, stop in _spans(job.numel, reader.block_size):

@@ -36,7 +36,7 @@ def translate(method: str, top: Mapping[str, Any], per_model: Sequence[Mapping[s
         if key in NO_OP:
             continue
         params[PARAMS.get(key, key)] = value
-    keys = sorted({k for m in per_model for k in m})
+    keys = sorted({k for m in per_model for k in m}, key=repr)  # YAML keys may be numbers or null
     for key in keys:
         if key in NO_OP:
             continue

@@ -11,6 +11,11 @@ from .checkpoint import DTYPE_NAMES, Checkpoint, TensorInfo
 from .errors import InputError, RLMergeError, raise_all
 
 EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
+LM_HEAD = "lm_head.weight"
+# config.json fields that fix the tensor layout: an agent that differs here is not a fine-tune of the base.
+# (vocab_size is left to the embedding shape check, which says what to do about a resized vocabulary.)
+STRUCTURAL_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "num_local_experts", "num_experts")
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,49 @@ def tied_tensors(base: Checkpoint) -> list[str]:
     return [n for n in base.tensors if n.endswith(EMBEDDING_SUFFIXES)]
 
 
+def _config_problems(base: Checkpoint, agent: Checkpoint) -> list[RLMergeError]:
+    """Architecture and layer-layout fields of config.json that must agree with the base's."""
+    out: list[RLMergeError] = []
+    where = str(agent.path / "config.json")
+    arch, base_arch = agent.config.get("architectures"), base.config.get("architectures")
+    if base_arch and arch and arch != base_arch:
+        out.append(InputError(f"architecture {arch} differs from the base's {base_arch}", file=where,
+                              hint="agents must be fine-tuned from the same base model"))
+    for key in STRUCTURAL_KEYS:
+        mine, theirs = agent.config.get(key), base.config.get(key)
+        if mine is not None and theirs is not None and mine != theirs:
+            out.append(InputError(f"config {key} = {mine!r} differs from the base's {theirs!r}", file=where,
+                                  hint="agents must be fine-tuned from the same base model"))
+    return out
+
+
+def _tying_problems(base: Checkpoint, agent: Checkpoint, plan: Plan) -> list[RLMergeError]:
+    """Tied vs untied lm_head across base and agent: never a silent choice.
+
+    - base ties (no lm_head stored), agent stores lm_head while its config says ``tie_word_embeddings:
+      true``: the stored copy is redundant; it is dropped and reported (``plan.warnings``).
+    - base ties, agent's config says untied *or does not say* (transformers' default differs between
+      model classes): the agent may have trained its own lm_head, and dropping it would lose part of the
+      agent, so this is an error.
+    - base stores lm_head, agent ties (stores none): its lm_head is its embedding, which the base does not
+      share; an error too (there is no base lm_head delta to compute).
+    """
+    tie = agent.config.get("tie_word_embeddings")
+    if plan.tied and LM_HEAD in agent.tensors:
+        if tie is not True:
+            return [InputError(f"the agent stores its own lm_head (config tie_word_embeddings: {tie}) but the base "
+                               "ties lm_head to its embeddings", file=str(agent.path), tensor=LM_HEAD,
+                               hint="merge against an untied copy of the base (lm_head stored, "
+                                    "tie_word_embeddings: false), or re-save the agent tied")]
+        plan.warnings.append(f"agent {agent.label} stores lm_head.weight although its config ties it to the "
+                             f"embeddings, like the base: the redundant copy is dropped")
+    if LM_HEAD in base.tensors and LM_HEAD not in agent.tensors and tie is True:
+        return [InputError("the agent ties lm_head to its embeddings (no lm_head stored) but the base stores "
+                           "its own lm_head", file=str(agent.path), tensor=LM_HEAD,
+                           hint="re-save the agent untied (lm_head stored, tie_word_embeddings: false)")]
+    return []
+
+
 def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: torch.dtype | None = None,
                allow_missing: bool = False, count_tied_twice: bool = False) -> Plan:
     """Check every agent against the base and lay out the jobs; raise all problems together."""
@@ -76,13 +124,12 @@ def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: torch.dtype
     plan = Plan(base, agents, jobs=[], tied=tied_tensors(base))
     if not agents:
         problems.append(InputError("no agents given", hint="pass at least one agent after the base"))
-    base_arch = base.config.get("architectures")
+    if not base.tensors:  # the merge would "succeed" with an empty model
+        problems.append(InputError("the base holds no tensors", file=str(base.path),
+                                   hint="point at the base model's folder"))
     for a in agents:
-        arch = a.config.get("architectures")
-        if base_arch and arch and arch != base_arch:
-            problems.append(InputError(f"architecture {arch} differs from the base's {base_arch}",
-                                       file=str(a.path / "config.json"),
-                                       hint="agents must be fine-tuned from the same base model"))
+        problems += _config_problems(base, a)
+        problems += _tying_problems(base, a, plan)
         if a.path.resolve() == base.path.resolve():
             plan.warnings.append(f"agent {a.label} is the base folder itself: it contributes nothing")
 
@@ -92,7 +139,9 @@ def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: torch.dtype
         for a in agents:
             other = a.tensors.get(info.name)
             if other is None:
-                if info.is_float and not allow_missing:
+                if info.name == LM_HEAD and a.config.get("tie_word_embeddings") is True:
+                    pass  # reported once by _tying_problems
+                elif info.is_float and not allow_missing:
                     problems.append(InputError(
                         "tensor is in the base but missing from the agent", file=str(a.path),
                         tensor=info.name, hint="pass --allow-missing to treat the agent as unchanged there"))

@@ -41,12 +41,19 @@ class Recipe:
 def load_recipe(path: str | Path) -> Recipe:
     p = Path(path)
     try:
-        doc = yaml.safe_load(p.read_text())
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
     except OSError as e:
         raise ConfigError(f"cannot read recipe: {e.strerror}", file=str(p)) from e
-    except yaml.YAMLError as e:
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"recipe is not UTF-8 text: {e}", file=str(p)) from e
+    except (yaml.YAMLError, RecursionError) as e:
         raise ConfigError(f"recipe is not valid YAML: {e}", file=str(p)) from e
     return parse_recipe(doc, where=str(p))
+
+
+def _unknown(mapping: dict[Any, Any], known: set[str]) -> list[Any]:
+    """Keys not in ``known``, sorted by their text (YAML keys may be numbers, lists' reprs, None)."""
+    return sorted((k for k in mapping if k not in known), key=repr)
 
 
 def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
@@ -57,7 +64,7 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
     def bad(msg: str, hint: str | None = None) -> None:
         problems.append(ConfigError(msg, file=where, hint=hint))
 
-    for key in sorted(set(doc) - TOP_KEYS):
+    for key in _unknown(doc, TOP_KEYS):
         bad(f"unsupported key {key!r}", hint=f"supported keys: {', '.join(sorted(TOP_KEYS))}")
     method = doc.get("merge_method")
     if not isinstance(method, str):
@@ -84,7 +91,7 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
         if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
             bad(f"models[{i}] needs a 'model' path")
             continue
-        for key in sorted(set(entry) - MODEL_KEYS):
+        for key in _unknown(entry, MODEL_KEYS):
             bad(f"models[{i}]: unsupported key {key!r}")
         mp = entry.get("parameters") or {}
         if not isinstance(mp, dict):
@@ -107,7 +114,7 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
     if not isinstance(options, dict):
         bad("options must be a mapping")
         options = {}
-    for key in sorted(set(options) - OPTIONS):
+    for key in _unknown(options, OPTIONS):
         bad(f"unsupported option {key!r}", hint=f"supported options: {', '.join(sorted(OPTIONS))}")
     dtype = doc.get("out_dtype", doc.get("dtype"))  # mergekit computes in dtype and writes out_dtype
     raise_all(problems)

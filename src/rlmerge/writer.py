@@ -2,17 +2,17 @@
 
 Shapes and dtypes are known from the plan, so each shard's header is written before its first byte of
 data and the data follows tensor by tensor, block by block: nothing is held in memory. Everything goes
-into a hidden sibling folder that is renamed onto the output only when complete, so an interrupted run
-never leaves a folder that looks like a finished model.
+into a hidden sibling folder (``partial.PartialDir``) that is renamed onto the output only when complete,
+so an interrupted run never leaves a folder that looks like a finished model.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
 import shutil
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from .checkpoint import DTYPE_NAMES
-from .errors import ConfigError, OutputError
+from .errors import ConfigError
+from .partial import PartialDir, disk_error
 from .plan import Job
 
 DEFAULT_SHARD_SIZE = 5 * 10**9  # transformers' default max_shard_size ("5GB")
@@ -82,66 +83,45 @@ def shard_header(shard: Shard, metadata: dict[str, str]) -> bytes:
     return len(body).to_bytes(8, "little") + body
 
 
-def _disk_error(e: OSError, path: Path) -> OutputError:
-    if e.errno == errno.ENOSPC:
-        return OutputError("the disk is full", file=str(path), hint="free space or write elsewhere (-o)")
-    if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
-        return OutputError(f"cannot write: {e.strerror}", file=str(path), hint="choose a writable output folder")
-    return OutputError(f"cannot write: {e.strerror or e}", file=str(path))
-
-
 class CheckpointWriter:
-    """Streams shards into ``<parent>/.<name>.rlmerge-partial`` and renames it onto ``output`` at the end."""
+    """Streams shards into a claimed ``PartialDir`` and publishes it onto the output at the end.
 
-    def __init__(self, output: Path, jobs: Sequence[Job], *, shard_size: int = DEFAULT_SHARD_SIZE,
-                 force: bool = False, metadata: dict[str, str] | None = None) -> None:
-        self.output = output
-        self.force = force
-        if output.exists() and not force:
-            raise OutputError("output folder already exists", file=str(output),
-                              hint="choose another -o, or pass --force to replace it")
-        self.tmp = output.parent / f".{output.name}.rlmerge-partial"
+    Each shard's CRC-32 is computed as it streams out; once complete it is fsynced and recorded in the partial
+    folder's progress file, which is what ``--resume`` verifies. ``pending(jobs)`` is the jobs still to
+    write: all of them, or those after the shards a resumed run kept.
+    """
+
+    def __init__(self, partial: PartialDir, jobs: Sequence[Job], *, shard_size: int = DEFAULT_SHARD_SIZE,
+                 metadata: dict[str, str] | None = None, fingerprint: str = "") -> None:
+        self.partial = partial
+        self.output = partial.output
+        self.tmp = partial.tmp
         self.shards = layout_shards(jobs, shard_size)
         self.metadata = {"format": "pt", **(metadata or {})}
+        self.fingerprint = fingerprint
         self._order = [j.name for s in self.shards for j in s.jobs]
         self._shard_of = {j.name: i for i, s in enumerate(self.shards) for j in s.jobs}
         self._next = 0  # index into _order of the tensor being written
         self._shard_i = -1
         self._fh: Any = None
+        self._crc = 0  # CRC-32 of the current shard so far
         self._remaining = 0  # bytes still owed to the current tensor
-        self._lock_fd: int | None = None
 
     def __enter__(self) -> CheckpointWriter:
-        try:
-            self.output.parent.mkdir(parents=True, exist_ok=True)
-            self._claim()
-        except OSError as e:
-            raise _disk_error(e, self.output.parent) from e
+        kept = self.partial.start(self.fingerprint, [s.filename for s in self.shards])
+        self._next = sum(len(s.jobs) for s in self.shards[:kept])
+        self._shard_i = kept - 1
         return self
-
-    def _claim(self) -> None:
-        """Create the partial folder with a lock naming our pid; refuse if a live run holds it."""
-        lock = self.tmp / ".lock"
-        if self.tmp.exists():
-            try:
-                pid = int(lock.read_text().strip())
-                os.kill(pid, 0)
-                alive = pid != os.getpid()
-            except (OSError, ValueError):
-                alive = False
-            if alive:
-                raise OutputError(f"another rlmerge run (pid {pid}) is writing this output", file=str(self.output),
-                                  hint="wait for it to finish, or choose another -o")
-            shutil.rmtree(self.tmp)  # left by an interrupted run
-        self.tmp.mkdir()
-        lock.write_text(str(os.getpid()))
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def pending(self, jobs: Sequence[Job]) -> list[Job]:
+        """The jobs not yet written (a resumed run skips the shards it kept), in plan order."""
+        done = set(self._order[:self._next])
+        return [j for j in jobs if j.name not in done]
 
     # -- tensor data, in plan order --------------------------------------------------------------------
     def begin(self, job: Job) -> None:
@@ -156,15 +136,32 @@ class CheckpointWriter:
         self._next += 1
 
     def _open_shard(self, i: int) -> None:
-        if self._fh is not None:
-            self._fh.close()
+        self._close_shard()
         path = self.tmp / self.shards[i].filename
+        header = shard_header(self.shards[i], self.metadata)
         try:
             self._fh = open(path, "wb")  # noqa: SIM115 closed when the next shard opens or on exit
-            self._fh.write(shard_header(self.shards[i], self.metadata))
+            self._fh.write(header)
         except OSError as e:
-            raise _disk_error(e, path) from e
+            raise disk_error(e, path) from e
+        self._crc = zlib.crc32(header)
         self._shard_i = i
+
+    def _close_shard(self) -> None:
+        """Flush, fsync and record the current shard: only then may a resumed run trust it."""
+        if self._fh is None:
+            return
+        shard = self.shards[self._shard_i]
+        path = self.tmp / shard.filename
+        try:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+        except OSError as e:
+            raise disk_error(e, path) from e
+        finally:
+            self._fh = None
+        self.partial.record(shard.filename, path.stat().st_size, self._crc)
 
     def write(self, data: torch.Tensor | memoryview) -> None:
         """Append data of the current tensor: a contiguous tensor in the output dtype, or raw bytes."""
@@ -174,7 +171,8 @@ class CheckpointWriter:
         try:
             self._fh.write(buf)
         except OSError as e:
-            raise _disk_error(e, self.tmp / self.shards[self._shard_i].filename) from e
+            raise disk_error(e, self.tmp / self.shards[self._shard_i].filename) from e
+        self._crc = zlib.crc32(buf, self._crc)
         self._remaining -= buf.nbytes
 
     # -- side files and the final rename ---------------------------------------------------------------
@@ -182,33 +180,20 @@ class CheckpointWriter:
         try:
             (self.tmp / name).write_text(text)
         except OSError as e:
-            raise _disk_error(e, self.tmp / name) from e
+            raise disk_error(e, self.tmp / name) from e
 
     def copy_file(self, src: Path) -> None:
         try:
             shutil.copyfile(src, self.tmp / src.name)
         except OSError as e:
-            raise _disk_error(e, self.tmp / src.name) from e
+            raise disk_error(e, self.tmp / src.name) from e
 
     def finish(self) -> Path:
         if self._next != len(self._order) or self._remaining:
             raise RuntimeError("not every tensor was written")
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        self._close_shard()
         if len(self.shards) > 1:
             index = {"metadata": {"total_size": sum(s.nbytes for s in self.shards)},
                      "weight_map": {j.name: s.filename for s in self.shards for j in s.jobs}}
             self.write_text("model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
-        (self.tmp / ".lock").unlink()
-        old = self.output.parent / f".{self.output.name}.rlmerge-old"
-        try:
-            if self.output.exists():  # only reached with force
-                if old.exists():
-                    shutil.rmtree(old)
-                os.replace(self.output, old)
-            os.replace(self.tmp, self.output)
-        except OSError as e:
-            raise _disk_error(e, self.output) from e
-        shutil.rmtree(old, ignore_errors=True)
-        return self.output
+        return self.partial.publish()

@@ -2,31 +2,59 @@
 
 from __future__ import annotations
 
+import functools
+import signal
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
-from ..errors import RLMergeError
+from ..errors import Interrupted, RLMergeError
 from .console import err
 from .demo import demo_command
 from .fisher import fisher_command
+from .inspect import inspect_command
 from .merge import merge_command
+from .plan import plan_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Merge RL-trained agents into one model: exact, streaming RAM / RAM+ and baselines.")
-app.command("merge")(merge_command)
-app.command("demo")(demo_command)
-app.command("fisher")(fisher_command)
+
+
+def _interruptible(command: Callable[..., None]) -> Callable[..., None]:
+    """Turn Ctrl-C / SIGTERM inside a command into ``Interrupted`` (exit 130) carrying what was kept.
+
+    typer would otherwise swallow the KeyboardInterrupt into a bare exit code and lose the message.
+    """
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            command(*args, **kwargs)
+        except KeyboardInterrupt as e:
+            raise Interrupted(f"interrupted: {getattr(e, 'rlmerge_hint', None) or 'nothing was written'}") from e
+
+    return run
+
+
+app.command("merge")(_interruptible(merge_command))
+app.command("plan")(plan_command)
+app.command("demo")(_interruptible(demo_command))
+app.command("fisher")(_interruptible(fisher_command))
+app.command("inspect")(_interruptible(inspect_command))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit code (1–4: see rlmerge.errors, 130: interrupted)."""
+    previous = _sigterm_as_interrupt()
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)
     except RLMergeError as e:
         err.print(f"[bold red]error:[/] {e.render()}", highlight=False, markup=True)
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # outside a command (while parsing arguments)
         err.print("[bold red]interrupted[/]: nothing was written")
         return 130
     except typer.Exit as e:
@@ -40,7 +68,22 @@ def main(argv: list[str] | None = None) -> int:
             e.show()
             return e.exit_code
         raise
-    return 0
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return rc if isinstance(rc, int) else 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _sigterm_as_interrupt() -> Any:
+    """SIGTERM (kill, a job scheduler's timeout) takes Ctrl-C's path: the partial output is cleaned up
+    or kept for --resume, never left looking finished. Returns the previous handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _interrupt)
 
 
 def entry() -> None:

@@ -41,6 +41,8 @@ def merge_command(
     block_size: Annotated[int | None, typer.Option(help="elements per block (memory bound)")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda")] = None,
     force: Annotated[bool, typer.Option(help="replace an existing output folder")] = False,
+    resume: Annotated[bool, typer.Option(help="continue an interrupted merge after its last complete shard")]
+    = False,
     allow_missing: Annotated[bool, typer.Option(help="an agent missing a tensor counts as unchanged")] = False,
     count_tied_twice: Annotated[bool, typer.Option(help="count tied embeddings twice, as the authors' script")]
     = False,
@@ -74,7 +76,7 @@ def merge_command(
     options["allow_missing"] = allow_missing or options.get("allow_missing", False)
     options["count_tied_twice"] = count_tied_twice or options.get("count_tied_twice", False)
     res = merge(base, agents, output, method=method or "ram+", params=params, dtype=dtype, force=force,
-                quiet=quiet or json_out, recipe=raw, **options)
+                quiet=quiet or json_out, recipe=raw, resume=resume, **options)
     for w in res.warnings:
         err.print(f"[yellow]warning:[/] {w}")
     if json_out:

@@ -68,14 +68,14 @@ def parse_params(cls: type, values: Mapping[str, Any], *, where: str) -> Any:
     problems: list[RLMergeError] = []
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
-        k = key.replace("-", "_")
+        k = str(key).replace("-", "_")  # YAML keys may be numbers
         if k not in fields:
             problems.append(ConfigError(f"unknown parameter {key!r} for {where}",
                                         hint=f"known parameters: {', '.join(fields) or 'none'}"))
             continue
         try:
             kwargs[k] = _coerce(value, hints[k])
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             problems.append(ConfigError(f"parameter {key!r} of {where}: {e}"))
     raise_all(problems)
     try:

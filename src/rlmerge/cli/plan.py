@@ -1,0 +1,95 @@
+"""`rlmerge plan`: a dry run. Every problem at once, bytes to read and write, passes, peak memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ..dryrun import DryRun, dry_run
+from ..errors import ConfigError, ProblemsError
+from ..recipe import load_recipe
+from .console import err, out
+from .merge import parse_param
+
+
+def plan_command(
+    models: Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="output folder to check")] = None,
+    method: Annotated[str | None, typer.Option(help="ram+, ram, task_arithmetic, linear, unique")] = None,
+    recipe: Annotated[Path | None, typer.Option(help="YAML recipe (mergekit layout)")] = None,
+    preset: Annotated[str | None, typer.Option(help="RAM+: paper, paper-soft, official, tensor-local")] = None,
+    r: Annotated[float | None, typer.Option("--r", help="RAM+ strength r (paper: 0.1)")] = None,
+    alpha: Annotated[float | None, typer.Option(help="RAM+ clip α on ρ (paper: 2.0)")] = None,
+    rescale_factor: Annotated[float | None, typer.Option(help="RAM+ official preset's R (1.2)")] = None,
+    eps: Annotated[float | None, typer.Option("--eps", help="changed means |τ| > eps (1e-5)")] = None,
+    scaling: Annotated[float | None, typer.Option(help="task arithmetic λ")] = None,
+    param: Annotated[list[str] | None, typer.Option("--param", help="any method parameter, KEY=VALUE")] = None,
+    dtype: Annotated[str | None, typer.Option(help="output dtype (default: the base's)")] = None,
+    shard_size: Annotated[str | None, typer.Option(help="max shard size, e.g. 5GB")] = None,
+    block_size: Annotated[int | None, typer.Option(help="elements per block (memory bound)")] = None,
+    allow_missing: Annotated[bool, typer.Option(help="an agent missing a tensor counts as unchanged")] = False,
+    count_tied_twice: Annotated[bool, typer.Option(help="count tied embeddings twice")] = False,
+    force: Annotated[bool, typer.Option(help="the merge will replace an existing output")] = False,
+    resume: Annotated[bool, typer.Option(help="the merge will resume an interrupted one")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
+) -> None:
+    """Check a merge from headers only (no weight is read): report every problem and what it will cost."""
+    params: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    if recipe is not None:
+        rec = load_recipe(recipe)
+        if models:
+            raise ConfigError("give models either on the command line or in --recipe, not both")
+        base, agents = rec.base, rec.agents
+        method, dtype = method or rec.method, dtype or rec.dtype
+        params.update(rec.parameters)
+        options.update({k: v for k, v in rec.options.items() if k in ("shard_size", "block_size")})
+        allow_missing = allow_missing or bool(rec.options.get("allow_missing", False))
+        count_tied_twice = count_tied_twice or bool(rec.options.get("count_tied_twice", False))
+    else:
+        if not models or len(models) < 2:
+            raise ConfigError("need BASE and at least one AGENT (or --recipe)")
+        base, agents = models[0], models[1:]
+    flags = {"preset": preset, "r": r, "alpha": alpha, "rescale_factor": rescale_factor, "epsilon": eps,
+             "scaling": scaling}
+    params.update({k: v for k, v in flags.items() if v is not None})
+    params.update(dict(parse_param(p) for p in param or []))
+    options.update({k: v for k, v in {"shard_size": shard_size, "block_size": block_size}.items() if v is not None})
+    report = dry_run(base, agents, output, method=method or "ram+", params=params, dtype=dtype,
+                     allow_missing=allow_missing, count_tied_twice=count_tied_twice, force=force, resume=resume,
+                     **options)
+    if json_out:
+        out.print_json(json.dumps(report.to_json()))
+    else:
+        print_report(report)
+    if report.problems:
+        raise ProblemsError(report.problems) if len(report.problems) > 1 else report.problems[0]
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    value, unit = next((n / f, u) for f, u in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B"))
+                       if n >= f or f == 1)
+    return f"{value:.3g} {unit}" if unit != "B" else f"{n} B"
+
+
+def print_report(r: DryRun) -> None:
+    if r.plan is not None:
+        merged = len(r.plan.merge_jobs)
+        out.print(f"method {r.method}: {len(r.plan.jobs)} tensors ({merged} merged, "
+                  f"{len(r.plan.jobs) - merged} copied), {len(r.plan.agents)} agents")
+        out.print(f"passes: {' + '.join(r.passes)}; read {_size(r.read_bytes)}, write {_size(r.write_bytes)} "
+                  f"in {r.shards} shard(s)")
+    if r.memory is not None:
+        avail = "unknown" if r.available_memory is None else f"{r.available_memory / 2**30:.2f} GiB"
+        out.print(f"peak memory ≈ {r.memory.total / 2**30:.2f} GiB (blocks of {r.memory.block:,} elements; "
+                  f"available {avail})" + (f"; plus {_size(r.memory.mapped)} of memory-mapped .bin files"
+                                           if r.memory.mapped else ""))
+    for w in r.warnings:
+        err.print(f"[yellow]warning:[/] {w}")
+    if r.ok:
+        out.print("[green]ok[/]: no problems found")

@@ -1,0 +1,73 @@
+"""``rlmerge.inspect``: the anatomy of RL task vectors, from one streaming statistics pass.
+
+The same pass as a two-pass merge (same plan, same blocks, same memory bound), with the extra counters
+turned on: density at other thresholds, values changed at all, and |τ| / |θ₀| magnitude histograms.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from .blocks import DEFAULT_BLOCK, BlockReader
+from .checkpoint import open_all
+from .errors import ConfigError, RLMergeError, raise_all
+from .merge import statistics_pass
+from .methods import BlockContext
+from .plan import build_plan
+from .progress import Progress
+from .report import Report, build_report, dtype_facts
+from .stats import Magnitudes, Statistics
+
+DEFAULT_THRESHOLDS = (1e-6, 1e-5, 1e-4, 1e-3)
+
+
+class MagnitudeObserver:
+    """Feeds each block of the statistics pass into the |τ| / |θ₀| histograms (the engine's observer protocol)."""
+
+    def __init__(self, mags: Magnitudes) -> None:
+        self.mags = mags
+
+    def observe(self, ctx: BlockContext, base: torch.Tensor, deltas: torch.Tensor) -> None:
+        self.mags.update(base, deltas, ctx.tensor_stats.weight if ctx.tensor_stats is not None else 1)
+
+    def again(self, name: str | None) -> bool:
+        return False  # one pass is enough
+
+
+def _check(epsilon: float, thresholds: Sequence[float]) -> tuple[float, ...]:
+    problems: list[RLMergeError] = []
+    for name, v in [("epsilon", epsilon), *(("threshold", t) for t in thresholds)]:
+        if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
+            problems.append(ConfigError(f"inspect: {name} = {v!r} is out of range [0, 1]"))
+    raise_all(problems)
+    return tuple(sorted({float(t) for t in thresholds}))
+
+
+def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]], *, epsilon: float = 1e-5,
+            thresholds: Sequence[float] = DEFAULT_THRESHOLDS, block_size: int = DEFAULT_BLOCK,
+            device: str = "cpu", allow_missing: bool = False, count_tied_twice: bool = False,
+            quiet: bool = True) -> Report:
+    """Measure the task vectors τ_t = θ_t − θ₀ of ``agents`` against ``base``; no output is written.
+
+    >>> rep = rlmerge.inspect("base/", ["coder/", "tools/", "memory/"])  # doctest: +SKIP
+    >>> rep.doc["recommendation"]["summary"], rep.doc["per_agent"][0]["density"]  # doctest: +SKIP
+    """
+    extra = _check(epsilon, thresholds)
+    models = open_all([base, *agents])
+    try:
+        plan = build_plan(models[0], models[1:], allow_missing=allow_missing, count_tied_twice=count_tied_twice)
+        mags = Magnitudes(len(plan.agents))
+        stats = Statistics([a.label for a in plan.agents], float(epsilon), thresholds=extra, magnitudes=mags)
+        reader = BlockReader(plan, block_size=block_size, device=device)
+        with Progress(quiet=quiet) as progress:
+            statistics_pass(plan, reader, stats, progress, MagnitudeObserver(mags))
+        identical = [f"agent {a} is identical to the base (no element with |τ| > ε): it contributes nothing"
+                     for a, c in zip(stats.agents, stats.changed) if c == 0]
+        doc = build_report(stats, dtype_facts(plan), base=plan.base.label, warnings=[*plan.warnings, *identical])
+    finally:
+        for m in models:
+            m.close()
+    return Report(doc, stats)

@@ -1,0 +1,130 @@
+"""`rlmerge plan`: headers only, every problem at once, bytes and passes exact, memory estimate vs a real peak."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import rlmerge
+from conftest import TINY
+from rlmerge import budget, dryrun
+from rlmerge.checkpoint import Checkpoint
+from rlmerge.cli import main
+from rlmerge.errors import ConfigError, InputError, OutputError
+from rlmerge.synthetic import Shape, make_example, write_checkpoint
+
+
+def _data_bytes(folder: Path, name: str = "model.safetensors") -> int:
+    """Bytes of tensor data in a safetensors file: its size minus the 8-byte length and the header."""
+    raw = (folder / name).read_bytes()
+    return len(raw) - 8 - int.from_bytes(raw[:8], "little")
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*a: object, **k: object) -> None:
+        raise AssertionError("a weight was read")
+
+    for name in ("read_f32", "read_raw", "_read_bytes"):
+        monkeypatch.setattr(Checkpoint, name, refuse)
+
+
+@pytest.mark.parametrize(("method", "passes"), [("ram+", ["statistics", "merge"]), ("ram", ["merge"])])
+def test_bytes_and_passes_from_headers_only(example, tmp_path: Path, no_weight_reads, monkeypatch, method,
+                                            passes) -> None:
+    base, agents = example
+    r = dryrun.dry_run(base, agents, tmp_path / "out", method=method, shard_size="16KB")
+    assert r.ok and r.passes == passes
+    models = sum(_data_bytes(m) for m in [base, *agents])  # every tensor of TINY is a float merged tensor
+    assert r.read_bytes == models * len(passes)
+    assert r.write_bytes == _data_bytes(base)
+    # The prediction matches what the merge then does: its shard count and the tensor bytes it writes.
+    monkeypatch.undo()  # weights may be read again
+    rlmerge.merge(base, agents, tmp_path / "out", method=method, shard_size="16KB")
+    shards = sorted((tmp_path / "out").glob("*.safetensors"))
+    assert r.shards == len(shards) > 1
+    assert r.write_bytes == sum(_data_bytes(s.parent, s.name) for s in shards)
+    assert r.memory is not None and r.memory.block == max(t.numel() for t in load_file(
+        str(base / "model.safetensors")).values())
+
+
+def test_every_problem_at_once(example, tmp_path: Path, no_weight_reads) -> None:
+    base, agents = example
+    (tmp_path / "out").mkdir()  # 1. the output exists
+    f = agents[0] / "model.safetensors"  # 2. a truncated agent
+    f.write_bytes(f.read_bytes()[:-10])
+    t = load_file(str(agents[1] / "model.safetensors"))  # 3. an agent with a resized vocabulary
+    t["model.embed_tokens.weight"] = torch.zeros(TINY.vocab + 4, TINY.hidden, dtype=torch.bfloat16)
+    write_checkpoint(agents[1], t, json.loads((agents[1] / "config.json").read_text()))
+    r = dryrun.dry_run(base, agents, tmp_path / "out", method="ram+", params={"r": -1},  # 4. r out of range
+                       dtype="int3", available=1)  # 5. an unknown dtype, 6. no memory
+    kinds = sorted(type(p).__name__ for p in r.problems)
+    assert kinds == ["ConfigError", "ConfigError", "ConfigError", "InputError", "InputError", "OutputError"], \
+        [p.render() for p in r.problems]
+    text = "\n".join(p.render() for p in r.problems)
+    for needle in ("already exists", "truncated", "vocabulary was resized", "int3", "r = -1", "GiB"):
+        assert needle in text, needle
+
+
+def test_cli_plan_exit_codes_and_json(example, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, agents = example
+    argv = ["plan", str(base), *map(str, agents), "-o", str(tmp_path / "out")]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["passes"] == ["statistics", "merge"] and doc["peak_memory_bytes"] > 0
+    (tmp_path / "out").mkdir()
+    assert main(argv) == OutputError.exit_code
+    assert "already exists" in capsys.readouterr().err
+    assert main([*argv, "--force", "--dtype", "int3"]) == ConfigError.exit_code
+    assert main([*argv, "--force", "--preset", "official", "--r", "0.2"]) == ConfigError.exit_code  # r is not R
+    assert "r does not apply to preset 'official'" in capsys.readouterr().err
+    assert main(["plan", str(base), str(tmp_path / "nope")]) == InputError.exit_code
+    assert not list(tmp_path.glob(".out*"))  # a dry run writes nothing
+
+
+MEASURE = """
+import json, shutil, sys
+from pathlib import Path
+import rlmerge
+from rlmerge.budget import estimate_memory
+from rlmerge.checkpoint import open_all
+
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+
+base, agents, out, block = sys.argv[1], sys.argv[2:5], sys.argv[5], int(sys.argv[6])
+models = open_all([base, *agents])
+est = estimate_memory(models[0], models[1:], block)
+before = status("VmRSS:")
+rlmerge.merge(base, agents, out, method="ram+", block_size=block)
+print(json.dumps({"before": before, "peak": status("VmHWM:"), "total": est.total,
+                  "block_part": est.buffers + est.work}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for peak RSS")
+def test_memory_estimate_bounds_measured_peak(tmp_path: Path) -> None:
+    shape = Shape("qwen2", vocab=8192, hidden=128, layers=1, heads=4, kv_heads=2, intermediate=256, tie=True)
+    base, agents = make_example(tmp_path / "in", shape=shape)
+    block = 1 << 20  # the embedding holds 8192 × 128 = 1 M elements: one full block
+    cmd = [sys.executable, "-c", MEASURE, str(base), *map(str, agents), str(tmp_path / "out"), str(block)]
+    m = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    # The estimate bounds the real peak, and is not wildly pessimistic.
+    assert m["peak"] <= m["total"] <= 1.5 * m["peak"], m
+    used = m["peak"] - m["before"]  # what the merge itself added
+    assert 0.6 * used <= m["block_part"] <= 1.6 * used, m
+    assert m["before"] < budget.BASELINE
+
+
+def test_side_inputs_are_checked_too(example, tmp_path: Path, no_weight_reads) -> None:
+    base, agents = example
+    missing = [str(tmp_path / f"fisher{i}") for i in range(3)]
+    r = dryrun.dry_run(base, agents, method="fisher", params={"fisher": ",".join(missing)})
+    assert sorted(p.file for p in r.problems) == missing
+    assert all(isinstance(p, InputError) for p in r.problems)
