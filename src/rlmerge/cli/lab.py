@@ -19,6 +19,7 @@ def lab_command(
         "lab-output"
     ),
     seeds: Annotated[int, typer.Option(min=1, help="Repeat the whole pipeline with this many seeds.")] = 1,
+    first_seed: Annotated[int, typer.Option(min=0, help="Seeds run are first_seed .. first_seed+seeds-1.")] = 0,
     grpo_steps: Annotated[int | None, typer.Option(help="Override the GRPO steps per agent.")] = None,
     warmup_steps: Annotated[int | None, typer.Option(help="Override the base model's warm-up steps.")] = None,
 ) -> None:
@@ -28,7 +29,7 @@ def lab_command(
     if size not in pipeline.SIZES:
         raise typer.BadParameter(f"unknown size {size!r}; choose from {', '.join(pipeline.SIZES)}")
     pipeline.SIZES[size] = pipeline.with_steps(pipeline.SIZES[size], grpo_steps, warmup_steps)
-    summary = pipeline.run_lab(size, out, seeds=seeds)
+    summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed)
     typer.echo(summary["table"])
     for res in summary["seeds"]:
         for label, reason in res["skipped"].items():

@@ -207,7 +207,9 @@ def run_seed(size: LabSize, out: Path, seed: int, methods: list[MethodPlan]) -> 
     return res
 
 
-def run_lab(size_name: str, out: Path, *, seeds: int = 1, methods: list[MethodPlan] | None = None) -> dict[str, Any]:
+def run_lab(
+    size_name: str, out: Path, *, seeds: int = 1, first_seed: int = 0, methods: list[MethodPlan] | None = None
+) -> dict[str, Any]:
     """Run the whole lab for `seeds` seeds and write results.json, table.md and plot.png into `out`."""
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(var, "1")
@@ -218,7 +220,7 @@ def run_lab(size_name: str, out: Path, *, seeds: int = 1, methods: list[MethodPl
     plans = list(methods if methods is not None else METHOD_PLANS)
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    results = [run_seed(size, out / f"seed{s}", s, plans) for s in range(seeds)]
+    results = [run_seed(size, out / f"seed{s}", s, plans) for s in range(first_seed, first_seed + seeds)]
     rows = list(results[0].scores)
     scores = {r: [res.scores[r] for res in results if r in res.scores] for r in rows}
     table = markdown_table(scores, results[0].notes)
