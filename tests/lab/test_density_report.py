@@ -89,3 +89,14 @@ def test_unchanged_agent_has_rho_zero(tmp_path: Path) -> None:
     base = {"w": torch.zeros(4)}
     stats = task_vector_stats(_save(tmp_path / "base", base), {"a": _save(tmp_path / "a", base)})
     assert stats["agents"]["a"]["rho"] == 0.0 and stats["agents"]["a"]["density_pct"] == 0.0
+
+
+def test_combine_gathers_rows_across_runs(tmp_path: Path) -> None:
+    import json
+
+    from rlmerge.lab.report import combine
+
+    for i, runs in enumerate(([SCORES["Base"][0]], [SCORES["Base"][1]])):
+        (tmp_path / f"r{i}.json").write_text(json.dumps({"seeds": [{"scores": {"Base": runs[0]}}]}))
+    combined = combine([tmp_path / "r0.json", tmp_path / "r1.json"])
+    assert combined == {"Base": SCORES["Base"]}

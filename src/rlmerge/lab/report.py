@@ -71,3 +71,18 @@ def plot(scores: Scores, path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def combine(results_files: Sequence[Path]) -> dict[str, list[dict[str, float]]]:
+    """Scores of several lab runs (results.json each, e.g. one per --first-seed), row → one entry per seed.
+
+    A row missing from a run (a method skipped there) is kept with the seeds that have it.
+    """
+    import json
+
+    scores: dict[str, list[dict[str, float]]] = {}
+    for path in results_files:
+        for seed in json.loads(Path(path).read_text())["seeds"]:
+            for row, cols in seed["scores"].items():
+                scores.setdefault(row, []).append(cols)
+    return scores
