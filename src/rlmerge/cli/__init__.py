@@ -16,6 +16,7 @@ from .console import err
 from .demo import demo_command
 from .fisher import fisher_command
 from .inspect import inspect_command
+from .lab import eval_command, lab_command
 from .merge import merge_command
 from .plan import plan_command
 
@@ -44,6 +45,8 @@ app.command("plan")(plan_command)
 app.command("demo")(_interruptible(demo_command))
 app.command("fisher")(_interruptible(fisher_command))
 app.command("inspect")(_interruptible(inspect_command))
+app.command("lab")(_interruptible(lab_command))
+app.command("eval")(eval_command)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,108 @@
+"""Scorers as oracles: hand-written right and wrong answers for each family."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlmerge.lab.tasks import FAMILIES, Example, make_family, make_split
+from rlmerge.lab.tasks.coding import Coding
+from rlmerge.lab.tasks.memory import Memory
+from rlmerge.lab.tasks.tool_use import ToolUse
+
+WEATHER = Example(
+    "tool_use",
+    "tools: search(query) | get_weather(city) | call(person)\nrequest: is it raining in oslo\ncall:",
+    ' {"name": "get_weather", "arguments": {"city": "oslo"}}',
+    {"call": {"name": "get_weather", "arguments": {"city": "oslo"}}},
+)
+
+
+@pytest.mark.parametrize(
+    ("answer", "score", "reward"),
+    [
+        ('{"name": "get_weather", "arguments": {"city": "oslo"}}', 1.0, 1.0),
+        (
+            ' {"arguments": {"city": "oslo"}, "name": "get_weather"}\ntrailing text',
+            1.0,
+            1.0,
+        ),  # key order free
+        ('{"name": "get_weather", "arguments": {"city": "rome"}}', 0.0, 0.5),  # right tool, wrong value
+        ('{"name": "search", "arguments": {"query": "oslo"}}', 0.0, 0.2),  # wrong tool, well formed
+        ('{"name": "get_weather", "arguments": {"city": "oslo"}', 0.0, 0.0),  # unbalanced JSON
+        ('{"name": "get_weather", "arguments": {"town": "oslo"}}', 0.0, 0.5),  # wrong argument name
+        ('{"name": "get_weather", "arguments": {"city": "oslo"}, "x": 1}', 0.0, 0.0),  # extra key
+        ("get_weather(city=oslo)", 0.0, 0.0),
+        ("", 0.0, 0.0),
+    ],
+)
+def test_tool_use_scorer(answer: str, score: float, reward: float) -> None:
+    assert ToolUse().score(answer, WEATHER) == score
+    assert ToolUse().reward(answer, WEATHER) == pytest.approx(reward)
+
+
+def test_tool_use_numbers_match_as_strings() -> None:
+    ex = Example("tool_use", "", "", {"call": {"name": "set_timer", "arguments": {"minutes": 12}}})
+    assert ToolUse().score('{"name": "set_timer", "arguments": {"minutes": "12"}}', ex) == 1.0
+
+
+MAX_EX = Example(
+    "coding", "task: print the largest number in [3, 9, 2]\ncode:", " print(max([3, 9, 2]))", {"stdout": "9"}
+)
+
+
+@pytest.mark.parametrize(
+    ("answer", "score"),
+    [
+        ("print(max([3, 9, 2]))", 1.0),
+        ("print(9)", 1.0),  # the checker runs code, any correct program passes
+        ("print(sorted([3, 9, 2])[-1])", 1.0),
+        ("print(min([3, 9, 2]))", 0.0),
+        ("print(max([3, 9, 2])", 0.0),  # syntax error
+        ("import os; print(9)", 0.0),  # refused by the sandbox
+        ("while True: pass", 0.0),  # times out
+        ("", 0.0),
+    ],
+)
+def test_coding_scorer(answer: str, score: float) -> None:
+    assert Coding(timeout_s=1.0).score(answer, MAX_EX) == score
+
+
+def test_coding_reward_gives_partial_credit_for_running_code() -> None:
+    assert Coding().reward("print(1)", MAX_EX) == pytest.approx(0.2)
+    assert Coding().reward("print(", MAX_EX) == 0.0
+
+
+MEM_EX = Example("memory", "", " teal", {"answer": "teal", "codes": ["teal", "red", "navy"]})
+
+
+@pytest.mark.parametrize(
+    ("answer", "score", "reward"),
+    [(" teal", 1.0, 1.0), ("teal\nred", 1.0, 1.0), ("red", 0.0, 0.1), ("tea", 0.0, 0.0), ("", 0.0, 0.0)],
+)
+def test_memory_scorer(answer: str, score: float, reward: float) -> None:
+    assert Memory().score(answer, MEM_EX) == score
+    assert Memory().reward(answer, MEM_EX) == pytest.approx(reward)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gold_targets_score_one_and_splits_are_deterministic(name: str) -> None:
+    family = make_family(name)
+    examples = make_split(family, "test", 20, seed=3)
+    assert examples == make_split(family, "test", 20, seed=3)
+    assert examples != make_split(family, "val", 20, seed=3)
+    for ex in examples:
+        assert family.score(ex.target, ex) == 1.0
+        json.dumps(ex.check)  # must travel through a datasets column
+
+
+def test_memory_answer_is_in_the_context_once() -> None:
+    for ex in make_split(Memory(), "test", 50):
+        key = ex.prompt.split("question: the code of ")[1].split(" is")[0]
+        assert ex.prompt.count(f"the code of {key} is {ex.check['answer']} .") == 1
+
+
+def test_unknown_family_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown task family"):
+        make_family("chess")
