@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,6 +21,42 @@ def parse_param(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise ConfigError(f"--param {text!r} is not KEY=VALUE")
     return key.strip(), value.strip()
+
+
+@dataclass
+class Job:
+    """What the command line (or a recipe) asks to merge: models, method, parameters, run options."""
+
+    base: str
+    agents: list[str]
+    method: str
+    params: dict[str, Any]
+    dtype: str | None
+    options: dict[str, Any]
+    raw: dict[str, Any] | None
+
+
+def gather(models: list[str] | None, recipe: Path | None, method: str | None, dtype: str | None,
+           param: list[str] | None, **flags: Any) -> Job:
+    """Models from the command line or a recipe, the recipe's values overridden by explicit flags."""
+    params: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    raw = None
+    if recipe is not None:
+        rec = load_recipe(recipe)
+        if models:
+            raise ConfigError("give models either on the command line or in --recipe, not both")
+        base, agents, raw = rec.base, rec.agents, rec.raw
+        method, dtype = method or rec.method, dtype or rec.dtype
+        params.update(rec.parameters)
+        options.update(rec.options)
+    else:
+        if not models or len(models) < 2:
+            raise ConfigError("need BASE and at least one AGENT (or --recipe)")
+        base, agents = models[0], models[1:]
+    params.update({k: v for k, v in flags.items() if v is not None})
+    params.update(dict(parse_param(p) for p in param or []))
+    return Job(base, list(agents), method or "ram+", params, dtype, options, raw)
 
 
 def merge_command(
@@ -51,32 +88,15 @@ def merge_command(
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
 ) -> None:
     """Merge AGENTs (RL fine-tunes of BASE) into one Hugging Face checkpoint."""
-    options: dict[str, Any] = {}
-    params: dict[str, Any] = {}
-    raw = None
-    if recipe is not None:
-        rec = load_recipe(recipe)
-        if models:
-            raise ConfigError("give models either on the command line or in --recipe, not both")
-        base, agents, raw = rec.base, rec.agents, rec.raw
-        method = method or rec.method
-        params.update(rec.parameters)
-        options.update(rec.options)
-        dtype = dtype or rec.dtype
-    else:
-        if not models or len(models) < 2:
-            raise ConfigError("need BASE and at least one AGENT (or --recipe)")
-        base, agents = models[0], models[1:]
-    flags = {"preset": preset, "r": r, "alpha": alpha, "rescale_factor": rescale_factor, "epsilon": eps,
-             "scaling": scaling}
-    params.update({k: v for k, v in flags.items() if v is not None})
-    params.update(dict(parse_param(p) for p in param or []))
+    job = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
+                 rescale_factor=rescale_factor, epsilon=eps, scaling=scaling)
+    options = dict(job.options)
     run = {"shard_size": shard_size, "block_size": block_size, "device": device, "seed": seed}
     options.update({k: v for k, v in run.items() if v is not None})
     options["allow_missing"] = allow_missing or options.get("allow_missing", False)
     options["count_tied_twice"] = count_tied_twice or options.get("count_tied_twice", False)
-    res = merge(base, agents, output, method=method or "ram+", params=params, dtype=dtype, force=force,
-                quiet=quiet or json_out, recipe=raw, resume=resume, **options)
+    res = merge(job.base, job.agents, output, method=job.method, params=job.params, dtype=job.dtype, force=force,
+                quiet=quiet or json_out, recipe=job.raw, resume=resume, **options)
     for w in res.warnings:
         err.print(f"[yellow]warning:[/] {w}")
     if json_out:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from ..dryrun import DryRun, dry_run
-from ..errors import ConfigError, ProblemsError
-from ..recipe import load_recipe
+from ..errors import ProblemsError
 from .console import err, out
-from .merge import parse_param
+from .merge import gather
 
 
 def plan_command(
@@ -37,28 +36,13 @@ def plan_command(
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
 ) -> None:
     """Check a merge from headers only (no weight is read): report every problem and what it will cost."""
-    params: dict[str, Any] = {}
-    options: dict[str, Any] = {}
-    if recipe is not None:
-        rec = load_recipe(recipe)
-        if models:
-            raise ConfigError("give models either on the command line or in --recipe, not both")
-        base, agents = rec.base, rec.agents
-        method, dtype = method or rec.method, dtype or rec.dtype
-        params.update(rec.parameters)
-        options.update({k: v for k, v in rec.options.items() if k in ("shard_size", "block_size")})
-        allow_missing = allow_missing or bool(rec.options.get("allow_missing", False))
-        count_tied_twice = count_tied_twice or bool(rec.options.get("count_tied_twice", False))
-    else:
-        if not models or len(models) < 2:
-            raise ConfigError("need BASE and at least one AGENT (or --recipe)")
-        base, agents = models[0], models[1:]
-    flags = {"preset": preset, "r": r, "alpha": alpha, "rescale_factor": rescale_factor, "epsilon": eps,
-             "scaling": scaling}
-    params.update({k: v for k, v in flags.items() if v is not None})
-    params.update(dict(parse_param(p) for p in param or []))
+    job = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
+                 rescale_factor=rescale_factor, epsilon=eps, scaling=scaling)
+    options = {k: v for k, v in job.options.items() if k in ("shard_size", "block_size")}
+    allow_missing = allow_missing or bool(job.options.get("allow_missing", False))
+    count_tied_twice = count_tied_twice or bool(job.options.get("count_tied_twice", False))
     options.update({k: v for k, v in {"shard_size": shard_size, "block_size": block_size}.items() if v is not None})
-    report = dry_run(base, agents, output, method=method or "ram+", params=params, dtype=dtype,
+    report = dry_run(job.base, job.agents, output, method=job.method, params=job.params, dtype=job.dtype,
                      allow_missing=allow_missing, count_tied_twice=count_tied_twice, force=force, resume=resume,
                      **options)
     if json_out:
