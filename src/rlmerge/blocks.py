@@ -36,6 +36,12 @@ class Block:
         return self.stop - self.start
 
 
+def spans(numel: int, step: int) -> Iterator[tuple[int, int]]:
+    """Consecutive flat ranges [start, stop) of at most ``step`` elements covering ``numel``."""
+    for start in range(0, numel, step):
+        yield start, min(start + step, numel)
+
+
 def pin_malloc_threshold(limit: int = 1 << 20) -> None:
     """Keep glibc from growing the heap with every block-sized temporary.
 
@@ -80,9 +86,7 @@ class BlockReader:
         return max(row, self.block_size // row * row)
 
     def spans(self, job: Job) -> Iterator[tuple[int, int]]:
-        step = self.step(job)
-        for start in range(0, job.numel, step):
-            yield start, min(start + step, job.numel)
+        return spans(job.numel, self.step(job))
 
     def blocks(self, job: Job) -> Iterator[Block]:
         plan = self.plan

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .blocks import DEFAULT_BLOCK, Block, BlockReader
+from .blocks import DEFAULT_BLOCK, Block, BlockReader, spans
 from .budget import check_memory, estimate_memory
 from .checkpoint import SIDE_FILES, Checkpoint, open_all
 from .errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
@@ -228,13 +228,17 @@ def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress
                     observer.observe(_ctx(job, blk, None, stats, seed), blk.base, blk.deltas)
                 bar.advance(blk.n * job.info.dtype.itemsize)
             while observer is not None and observer.again(job.name):  # e.g. refine a per-tensor top-k
-                for blk in reader.blocks(job):
-                    observer.observe(_ctx(job, blk, None, stats, seed), blk.base, blk.deltas)
+                _observe_again(observer, reader, [job], stats, seed)
             bar.tensor_done()
     while observer is not None and observer.again(None):  # e.g. refine a whole-model top-k
-        for job in jobs:
-            for blk in reader.blocks(job):
-                observer.observe(_ctx(job, blk, None, stats, seed), blk.base, blk.deltas)
+        _observe_again(observer, reader, jobs, stats, seed)
+
+
+def _observe_again(observer: Any, reader: BlockReader, jobs: list[Job], stats: Statistics, seed: int) -> None:
+    """Stream ``jobs`` once more to the observer only (no counting: the statistics are already complete)."""
+    for job in jobs:
+        for blk in reader.blocks(job):
+            observer.observe(_ctx(job, blk, None, stats, seed), blk.base, blk.deltas)
 
 
 def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepared: Any, stats: Statistics,
@@ -250,7 +254,7 @@ def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepar
         for job in pending:
             out.begin(job)
             if job.kind == "copy":
-                for start, stop in _spans(job.numel, reader.block_size):
+                for start, stop in spans(job.numel, reader.block_size):
                     out.write_now(plan.base.read_raw(job.name, start, stop))
                     bar.advance((stop - start) * job.out_dtype.itemsize)
                 bar.tensor_done()
@@ -274,11 +278,6 @@ def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepar
                 bar.advance(blk.n * job.out_dtype.itemsize)
             bar.tensor_done()
         out.drain()
-
-
-def _spans(numel: int, size: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, numel, size):
-        yield start, min(start + size, numel)
 
 
 def _side_files(base: Checkpoint, writer: CheckpointWriter, plan: Plan) -> None:
