@@ -13,6 +13,7 @@ from rich.table import Table
 from ..errors import ConfigError
 from ..merge import MergeResult, merge
 from ..recipe import load_recipe
+from . import options as o
 from .console import err, out
 
 
@@ -60,29 +61,26 @@ def gather(models: list[str] | None, recipe: Path | None, method: str | None, dt
 
 
 def merge_command(
-    models: Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")] = None,
+    models: o.Models = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="output folder (refused if it exists)")] = ...,
-    method: Annotated[str | None, typer.Option(
-        help="ram+, ram, task_arithmetic, linear, unique, ties, ties_global, dare_ta, dare_ties, breadcrumbs, "
-        "della, slerp, model_stock, fisher (docs/methods.md)")] = None,
-    recipe: Annotated[Path | None, typer.Option(help="YAML recipe (mergekit layout)")] = None,
-    preset: Annotated[str | None, typer.Option(help="RAM+: paper, paper-soft, official, tensor-local")] = None,
-    r: Annotated[float | None, typer.Option("--r", help="RAM+ strength r (paper: 0.1)")] = None,
-    alpha: Annotated[float | None, typer.Option(help="RAM+ clip α on ρ (paper: 2.0)")] = None,
-    rescale_factor: Annotated[float | None, typer.Option(help="RAM+ official preset's R (1.2)")] = None,
-    eps: Annotated[float | None, typer.Option("--eps", help="changed means |τ| > eps (1e-5)")] = None,
-    scaling: Annotated[float | None, typer.Option(help="task arithmetic λ")] = None,
-    param: Annotated[list[str] | None, typer.Option("--param", help="any method parameter, KEY=VALUE")] = None,
-    dtype: Annotated[str | None, typer.Option(help="output dtype (default: the base's)")] = None,
-    shard_size: Annotated[str | None, typer.Option(help="max shard size, e.g. 5GB")] = None,
-    block_size: Annotated[int | None, typer.Option(help="elements per block (memory bound)")] = None,
+    method: o.Method = None,
+    recipe: o.Recipe = None,
+    preset: o.Preset = None,
+    r: o.R = None,
+    alpha: o.Alpha = None,
+    rescale_factor: o.RescaleFactor = None,
+    eps: o.Eps = None,
+    scaling: o.Scaling = None,
+    param: o.Param = None,
+    dtype: o.Dtype = None,
+    shard_size: o.ShardSize = None,
+    block_size: o.BlockSize = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda")] = None,
     force: Annotated[bool, typer.Option(help="replace an existing output folder")] = False,
     resume: Annotated[bool, typer.Option(help="continue an interrupted merge after its last complete shard")]
     = False,
-    allow_missing: Annotated[bool, typer.Option(help="an agent missing a tensor counts as unchanged")] = False,
-    count_tied_twice: Annotated[bool, typer.Option(help="count tied embeddings twice, as the authors' script")]
-    = False,
+    allow_missing: o.AllowMissing = False,
+    count_tied_twice: o.CountTiedTwice = False,
     seed: Annotated[int | None, typer.Option(help="seed for random methods")] = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no progress bars or tables")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,

@@ -10,27 +10,28 @@ import typer
 
 from ..dryrun import DryRun, dry_run
 from ..errors import ProblemsError
+from . import options as o
 from .console import err, out
 from .merge import gather
 
 
 def plan_command(
-    models: Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")] = None,
+    models: o.Models = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="output folder to check")] = None,
-    method: Annotated[str | None, typer.Option(help="ram+, ram, task_arithmetic, linear, unique")] = None,
-    recipe: Annotated[Path | None, typer.Option(help="YAML recipe (mergekit layout)")] = None,
-    preset: Annotated[str | None, typer.Option(help="RAM+: paper, paper-soft, official, tensor-local")] = None,
-    r: Annotated[float | None, typer.Option("--r", help="RAM+ strength r (paper: 0.1)")] = None,
-    alpha: Annotated[float | None, typer.Option(help="RAM+ clip α on ρ (paper: 2.0)")] = None,
-    rescale_factor: Annotated[float | None, typer.Option(help="RAM+ official preset's R (1.2)")] = None,
-    eps: Annotated[float | None, typer.Option("--eps", help="changed means |τ| > eps (1e-5)")] = None,
-    scaling: Annotated[float | None, typer.Option(help="task arithmetic λ")] = None,
-    param: Annotated[list[str] | None, typer.Option("--param", help="any method parameter, KEY=VALUE")] = None,
-    dtype: Annotated[str | None, typer.Option(help="output dtype (default: the base's)")] = None,
-    shard_size: Annotated[str | None, typer.Option(help="max shard size, e.g. 5GB")] = None,
-    block_size: Annotated[int | None, typer.Option(help="elements per block (memory bound)")] = None,
-    allow_missing: Annotated[bool, typer.Option(help="an agent missing a tensor counts as unchanged")] = False,
-    count_tied_twice: Annotated[bool, typer.Option(help="count tied embeddings twice")] = False,
+    method: o.Method = None,
+    recipe: o.Recipe = None,
+    preset: o.Preset = None,
+    r: o.R = None,
+    alpha: o.Alpha = None,
+    rescale_factor: o.RescaleFactor = None,
+    eps: o.Eps = None,
+    scaling: o.Scaling = None,
+    param: o.Param = None,
+    dtype: o.Dtype = None,
+    shard_size: o.ShardSize = None,
+    block_size: o.BlockSize = None,
+    allow_missing: o.AllowMissing = False,
+    count_tied_twice: o.CountTiedTwice = False,
     force: Annotated[bool, typer.Option(help="the merge will replace an existing output")] = False,
     resume: Annotated[bool, typer.Option(help="the merge will resume an interrupted one")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,

@@ -1,0 +1,26 @@
+"""Options that `rlmerge merge` and `rlmerge plan` share: one declaration, one help text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+Models = Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")]
+Method = Annotated[str | None, typer.Option(
+    help="ram+, ram, task_arithmetic, linear, unique, ties, ties_global, dare_ta, dare_ties, breadcrumbs, "
+    "della, slerp, model_stock, fisher (docs/methods.md)")]
+Recipe = Annotated[Path | None, typer.Option(help="YAML recipe (mergekit layout)")]
+Preset = Annotated[str | None, typer.Option(help="RAM+: paper, paper-soft, official, tensor-local")]
+R = Annotated[float | None, typer.Option("--r", help="RAM+ strength r (paper: 0.1)")]
+Alpha = Annotated[float | None, typer.Option(help="RAM+ clip α on ρ (paper: 2.0)")]
+RescaleFactor = Annotated[float | None, typer.Option(help="RAM+ official preset's R (1.2)")]
+Eps = Annotated[float | None, typer.Option("--eps", help="changed means |τ| > eps (1e-5)")]
+Scaling = Annotated[float | None, typer.Option(help="task arithmetic λ")]
+Param = Annotated[list[str] | None, typer.Option("--param", help="any method parameter, KEY=VALUE")]
+Dtype = Annotated[str | None, typer.Option(help="output dtype (default: the base's)")]
+ShardSize = Annotated[str | None, typer.Option(help="max shard size, e.g. 5GB")]
+BlockSize = Annotated[int | None, typer.Option(help="elements per block (memory bound)")]
+AllowMissing = Annotated[bool, typer.Option(help="an agent missing a tensor counts as unchanged")]
+CountTiedTwice = Annotated[bool, typer.Option(help="count tied embeddings twice, as the authors' script")]
