@@ -173,9 +173,12 @@ class FastPath:
             a.read_into(job.name, start, stop, memoryview(agents[t * n * size:(t + 1) * n * size]))
         return base.view(bdt), agents.view(adt).reshape(len(self.plan.agents), n)
 
-    def blocks(self, jobs: list[Job]) -> Iterator[tuple[Job, int, int, _Slot, np.ndarray, np.ndarray]]:
-        """Every block of ``jobs`` in order, each read while the previous one is being computed."""
-        spans = [(j, s, min(s + self.block, j.numel)) for j in jobs for s in range(0, j.numel, self.block)]
+    def blocks(self, jobs: list[Job], passes: Callable[[Job], int] | None = None,
+               ) -> Iterator[tuple[Job, int, int, _Slot, np.ndarray, np.ndarray]]:
+        """Every block of ``jobs`` in order (each job's blocks ``passes(job)`` times over), each read while the
+        previous one is being computed."""
+        spans = [(j, s, min(s + self.block, j.numel)) for j in jobs for _ in range(passes(j) if passes else 1)
+                 for s in range(0, j.numel, self.block)]
         pending: Future[tuple[np.ndarray, np.ndarray]] | None = None
         for k, (job, start, stop) in enumerate(spans):
             slot = self.slots[k % 2]
@@ -200,20 +203,23 @@ class FastPath:
             self.gram[:] = 0.0
         mode = args.mode if out is not None else kernels.MODE_STATS
         dest = out if out is not None else self._dummy_out
-        step = -(-n // self.threads)
-
-        def part(k: int) -> bool:  # the kernel releases the GIL: the parts run in parallel
-            return kernels.fused_range(base, agents, k * step, min(n, (k + 1) * step), args.eps, mode, args.lam,
-                                       args.use_lam, args.w, args.normalize, args.div, args.scaling, dest,
-                                       ts is not None, self.hist[k], self.gram[k])
-
-        bad = list(self._compute.map(part, range(self.threads))) if self.threads > 1 else [part(0)]
+        bad = self.parallel(n, lambda k, lo, hi: kernels.fused_range(
+            base, agents, lo, hi, args.eps, mode, args.lam, args.use_lam, args.w, args.normalize, args.div,
+            args.scaling, dest, ts is not None, self.hist[k], self.gram[k]))
         if any(bad):
-            self._raise_non_finite(job, start, base, agents)
+            self.raise_non_finite(job, start, base, agents)
         if ts is not None:
             ts.add_patterns(self.hist.sum(0), self.gram.sum(0))
 
-    def _raise_non_finite(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray) -> None:
+    def parallel(self, n: int, fn: Callable[[int, int, int], Any]) -> list[Any]:
+        """``fn(k, lo, hi)`` on one slice [lo, hi) of [0, n) per compute thread k; the kernels release the GIL."""
+        step = -(-n // self.threads)
+        parts = [(k, min(n, k * step), min(n, (k + 1) * step)) for k in range(self.threads)]
+        if self.threads == 1:
+            return [fn(*parts[0])]
+        return list(self._compute.map(lambda a: fn(*a), parts))
+
+    def raise_non_finite(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray) -> None:
         def f32(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(a.copy()).view(dtype).float()
 

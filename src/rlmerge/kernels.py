@@ -38,3 +38,24 @@ def fused_range(*args: Any) -> bool:
     from ._numba_kernels import fused_range as kernel
 
     return bool(kernel(*args))
+
+
+def gta_hist_hi(*args: Any) -> bool:
+    """High-16-bit histogram of |τ_t| per agent over [lo, hi) (see _numba_gta.hist_hi); True if τ not finite."""
+    from ._numba_gta import hist_hi
+
+    return bool(hist_hi(*args))
+
+
+def gta_hist_lo(*args: Any) -> None:
+    """Low-16-bit histogram inside one high bin per query (see _numba_gta.hist_lo)."""
+    from ._numba_gta import hist_lo
+
+    hist_lo(*args)
+
+
+def gta_merge_range(*args: Any) -> None:
+    """The TIES / Breadcrumbs merge rule over [lo, hi) of one block (see _numba_gta.merge_range)."""
+    from ._numba_gta import merge_range
+
+    merge_range(*args)

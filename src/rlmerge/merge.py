@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from . import fastgta
 from .blocks import DEFAULT_BLOCK, Block, BlockReader, spans
 from .budget import check_memory, estimate_memory
 from .checkpoint import SIDE_FILES, Checkpoint, open_all
@@ -138,14 +139,16 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_byt
         "device": torch.device(device).type,  # float results may differ between CPU and GPU kernels
         "headers": [shard_header(s, metadata).hex() for s in layout_shards(plan.jobs, shard_bytes)]})
     writer = CheckpointWriter(partial, plan.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp)
-    fast = _fast_path(plan, spec, p, block_size, device, observer, extras)
+    gta = fastgta.build(plan, spec, p, block_size, device, observer, extras, stats.epsilon)
+    fast = gta.fast if gta is not None else _fast_path(plan, spec, p, block_size, device, observer, extras)
     with Progress(quiet=quiet) as progress, writer, _closing(fast):
-        needs_stats = spec.needs_stats(p) or observer is not None
+        # The fast TIES path finds per-tensor thresholds inside the merge pass; a whole-model one needs a pass.
+        needs_stats = spec.needs_stats(p) or (observer is not None and (gta is None or gta.whole_model))
         # A resumed run skips the kept shards' tensors in the merge pass, so it gathers the statistics
         # (for the report, and for RAM+'s ρ) in a statistics pass over the whole model first.
         two_pass = needs_stats or partial.resumed > 0
         if two_pass:
-            statistics_pass(plan, reader, stats, progress, observer, seed=seed, fast=fast)
+            statistics_pass(plan, reader, stats, progress, observer, seed=seed, fast=fast, gta=gta)
             stats.observed = observer
         prepared = spec.prepare(p, stats if needs_stats else None, len(plan.agents))
         warnings = [*plan.warnings, *getattr(prepared, "warnings", ())]
@@ -154,7 +157,7 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_byt
         if prepared is not None and hasattr(prepared, "lambdas"):
             result.lambdas, result.rho = list(prepared.lambdas), list(prepared.rho)
         merge_pass(plan, reader, spec, p, prepared, stats, writer, progress, collect=not two_pass, seed=seed,
-                   fast=fast)
+                   fast=fast, gta=gta)
         if not needs_stats:
             result.warnings += _identical_agents(stats)
         _side_files(plan.base, writer, plan)
@@ -213,10 +216,13 @@ def _ctx(job: Job, blk: Block, prepared: Any, stats: Statistics, seed: int) -> B
 
 
 def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress: Progress, observer: Any = None,
-                    *, seed: int = 0, fast: FastPath | None = None) -> None:
+                    *, seed: int = 0, fast: FastPath | None = None, gta: fastgta.GtaFast | None = None) -> None:
     """Count every block; feed the method's observer, streaming a tensor (or the model) again if it asks."""
     jobs = plan.merge_jobs
     with progress.task("statistics", total=sum(j.info.nbytes for j in jobs), tensors=len(jobs)) as bar:
+        if gta is not None:  # every job is on the fast path; ties_global's selection rounds run here
+            gta.statistics_pass(jobs, stats, bar)
+            return
         if fast is not None and observer is None and not stats.thresholds:  # fused kernel for eligible jobs
             statistics_pass_fast(fast, [j for j in jobs if eligible(plan, j)], stats, bar)
             jobs = [j for j in jobs if not eligible(plan, j)]
@@ -243,12 +249,13 @@ def _observe_again(observer: Any, reader: BlockReader, jobs: list[Job], stats: S
 
 def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepared: Any, stats: Statistics,
                writer: CheckpointWriter, progress: Progress, *, collect: bool, seed: int,
-               fast: FastPath | None = None) -> None:
+               fast: FastPath | None = None, gta: fastgta.GtaFast | None = None) -> None:
     pending = writer.pending(plan.jobs)  # a resumed run skips the shards it kept
     # inspect's extra counters (stats.thresholds) are torch-path only
     fast = fast if not stats.thresholds else None
     fast_jobs = [j for j in pending if eligible(plan, j)] if fast is not None else []
-    fast_blocks = fast.blocks(list(fast_jobs)) if fast is not None else iter(())
+    passes = gta.passes if gta is not None else None  # TIES reads a large tensor 3 times (2 selection rounds)
+    fast_blocks = fast.blocks(list(fast_jobs), passes) if fast is not None else iter(())
     out = OrderedWriter(writer, fast)  # fast path: writes queued on a writer thread, in plan order
     with progress.task("merge", total=sum(j.out_nbytes for j in pending), tensors=len(pending)) as bar:
         for job in pending:
@@ -261,9 +268,13 @@ def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepar
                 continue
             if fast is not None and fast_jobs and job is fast_jobs[0]:
                 fast_jobs.pop(0)
+                ts = stats.for_tensor(job.name, job.numel, job.weight) if collect else None
+                if gta is not None:
+                    gta.merge_job(fast_blocks, job, ts, out, bar)
+                    bar.tensor_done()
+                    continue
                 args = kernel_args(spec, p, prepared, stats.tensors.get(job.name), len(plan.agents), stats.epsilon)
                 assert args is not None  # fast is only built for methods with a fused kernel
-                ts = stats.for_tensor(job.name, job.numel, job.weight) if collect else None
                 merge_job_fast(fast, fast_blocks, job, args, ts, out, bar)
                 bar.tensor_done()
                 continue

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
@@ -221,7 +222,7 @@ class GtaObserver:
     def observe(self, ctx: BlockContext, base: torch.Tensor, deltas: torch.Tensor) -> None:
         numel = math.prod(ctx.shape)
         if ctx.start == 0 and ctx.name != self._name:
-            self._begin_tensor(ctx.name, numel)
+            self.begin_tensor(ctx.name, numel)
         if self.needs_selection and self._sel is not None:
             if self._sel.round == 0 and self.preset.prune == "magnitude-global":
                 self._global_numel += ctx.stop - ctx.start
@@ -231,7 +232,20 @@ class GtaObserver:
             self._l1_acc[0] += deltas.abs().double().sum(-1).cpu()
             self._l1_acc[1] += kept.abs().double().sum(-1).cpu()
 
-    def _begin_tensor(self, name: str, numel: int) -> None:
+    @property
+    def selection(self) -> KthLargest | None:
+        """The order statistics being gathered (None: nothing to select for this tensor)."""
+        return self._sel
+
+    def add_counts(self, hist: np.ndarray, numel: int) -> None:
+        """What ``observe`` adds to the selection, from a histogram of ``numel`` elements the fast path counted."""
+        if self._sel is None:
+            return
+        if self._sel.round == 0 and self.preset.prune == "magnitude-global":
+            self._global_numel += numel
+        self._sel.add_counts(hist)
+
+    def begin_tensor(self, name: str, numel: int) -> None:
         self._name = name
         self._l1_acc.zero_()
         if self.preset.prune == "magnitude-global":

@@ -1,0 +1,161 @@
+"""TIES and Breadcrumbs on the fast path: exact |τ| thresholds from fused histograms, then a fused merge rule.
+
+The torch path (methods/gta.py) streams every tensor three times through a chain of torch ops: twice for the
+two rounds of the exact k-th largest |τ| (methods/_select.py), once to merge. Here the same three reads run
+through numba kernels on the fast path's raw blocks (fastpath.py), and a tensor that fits in one block is
+read once: both selection rounds and the merge run on the block already in memory. ``ties_global`` needs the
+whole model's thresholds before the first element is merged, so its two selection rounds are the statistics
+pass. The thresholds come from the same ``GtaObserver`` (same ranks, same bins), so the bytes written are the
+torch path's (tests/test_fastgta.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from . import kernels
+from .fastpath import FastPath, OrderedWriter, eligible, enabled, stats_args
+from .methods import MethodSpec
+from .methods._select import HI_BINS, LO_BINS
+from .methods.gta import PRESETS, GtaObserver, _ranks
+from .methods.task_arithmetic import agent_weights
+from .plan import Job, Plan
+from .stats import Statistics, TensorStats
+
+FAST_PRESETS = ("ties", "ties_global", "breadcrumbs", "breadcrumbs_ties")  # selection by magnitude, no L1 rescale
+
+
+def build(plan: Plan, spec: MethodSpec, p: Any, block_size: int, device: str, observer: Any,
+          extras: list[Any] | None, eps: float) -> GtaFast | None:
+    """A GtaFast when every merged tensor can take the fast path (thresholds for all or none of them)."""
+    if spec.name not in FAST_PRESETS or not enabled(device) or extras or not isinstance(observer, GtaObserver):
+        return None
+    if not plan.merge_jobs or not all(eligible(plan, j) for j in plan.merge_jobs):
+        return None
+    return GtaFast(FastPath(plan, block_size), observer, p, eps)
+
+
+class GtaFast:
+    def __init__(self, fast: FastPath, observer: GtaObserver, params: Any, eps: float) -> None:
+        self.fast, self.obs = fast, observer
+        self.stats_args = stats_args(len(fast.plan.agents), eps)
+        preset = observer.preset
+        n = len(fast.plan.agents)
+        self.whole_model = preset.prune == "magnitude-global"
+        w = agent_weights(preset.summary.split(":")[0], params.weights, n)
+        div = w.sum()  # methods/_ops.combine without a mask
+        self.w = w.numpy()
+        self.elect = preset.sign_election
+        self.normalize = bool(preset.normalize if params.normalize is None else params.normalize)
+        self.div = np.float32(div.item() if float(div.abs()) >= 1e-8 else 1.0)
+        self.scaling = np.float32(params.scaling)
+        self.apply_scaling = params.scaling != 1.0
+        self.hist_hi = np.zeros((fast.threads, n, HI_BINS), dtype=np.int64)
+        self.hist_lo = np.zeros((fast.threads, 0, LO_BINS), dtype=np.int64)
+        self._numel = 0
+
+    # -- schedule ----------------------------------------------------------------------------------------
+    def _selects(self, job: Job) -> bool:
+        """Whether this tensor needs its own thresholds (per-tensor presets with a density below 1)."""
+        o = self.obs
+        return not self.whole_model and any(
+            r for t in range(o.n) for r in _ranks(o.preset.prune, job.numel, o.density[t], o.gamma[t]))
+
+    def passes(self, job: Job) -> int:
+        """Reads of ``job`` in the merge pass: 3 (two selection rounds, merge) unless it fits in one block."""
+        return 3 if self._selects(job) and job.numel > self.fast.block else 1
+
+    # -- the selection rounds --------------------------------------------------------------------------
+    def _count(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray) -> None:
+        """Add one block to the current round's histogram."""
+        sel = self.obs.selection
+        assert sel is not None
+        if sel.round == 0:
+            bad = self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_hist_hi(
+                base, agents, lo, hi, self.hist_hi[k]))
+            if any(bad):
+                self.fast.raise_non_finite(job, start, base, agents)
+            self._numel += base.shape[0]
+            return
+        streams, bins = sel.streams, sel.bin_hi
+        if self.hist_lo.shape[1] != len(streams):
+            self.hist_lo = np.zeros((self.fast.threads, len(streams), LO_BINS), dtype=np.int64)
+        self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_hist_lo(
+            base, agents, lo, hi, streams, bins, self.hist_lo[k]))
+
+    def _end_round(self, name: str | None) -> bool:
+        """Hand the round's counts to the observer; True while another round is wanted."""
+        sel = self.obs.selection
+        assert sel is not None
+        hist = self.hist_hi if sel.round == 0 else self.hist_lo
+        self.obs.add_counts(hist.sum(0), self._numel)
+        hist[:] = 0
+        self._numel = 0
+        return self.obs.again(name)
+
+    # -- the statistics pass (ties_global: both rounds over the whole model; else counts only) -------------
+    def statistics_pass(self, jobs: list[Job], stats: Statistics, bar: Any) -> None:
+        fast = self.fast
+        if self.whole_model and jobs:
+            self.obs.begin_tensor(jobs[0].name, jobs[0].numel)
+        for job, start, stop, _slot, base, agents in fast.blocks(jobs):
+            fast.run(job, start, base, agents, self.stats_args, None, stats.for_tensor(job.name, job.numel, job.weight))
+            if self.whole_model:
+                self._count(job, start, base, agents)
+            bar.advance((stop - start) * job.info.dtype.itemsize)
+            if stop == job.numel:
+                bar.tensor_done()
+        if self.whole_model and self._end_round(None):
+            for job, start, _stop, _slot, base, agents in fast.blocks(jobs):
+                self._count(job, start, base, agents)
+            self._end_round(None)
+
+    # -- the merge pass --------------------------------------------------------------------------------
+    def merge_job(self, blocks: Iterator[Any], job: Job, ts: TensorStats | None, out: OrderedWriter,
+                  bar: Any) -> None:
+        """All reads of one job (``passes(job)`` times its blocks): thresholds, then the fused merge."""
+        fast = self.fast
+        nblocks = -(-job.numel // fast.block)
+
+        def take() -> tuple[int, int, Any, np.ndarray, np.ndarray]:
+            bjob, start, stop, slot, base, agents = next(blocks)
+            if bjob is not job:
+                raise RuntimeError(f"fast path out of step: expected {job.name}, got {bjob.name}")
+            if ts is not None and first_read:
+                fast.run(job, start, base, agents, self.stats_args, None, ts)
+            return start, stop, slot, base, agents
+
+        first_read = True
+        selects = self._selects(job)
+        if not self.whole_model:
+            self.obs.begin_tensor(job.name, job.numel)  # its ranks and default window
+        if self.passes(job) == 3:
+            for _ in range(2):  # round 0 (high bits), round 1 (low bits inside the boundary bin)
+                for _ in range(nblocks):
+                    start, _stop, _slot, base, agents = take()
+                    self._count(job, start, base, agents)
+                first_read = False
+                self._end_round(job.name)
+        for _ in range(nblocks):
+            start, stop, slot, base, agents = take()
+            if selects and self.passes(job) == 1:  # the whole tensor is this block: select in memory
+                while True:
+                    self._count(job, start, base, agents)
+                    if not self._end_round(job.name):
+                        break
+            merged = fast.out_view(slot, job, stop - start)
+            self._merge(job, base, agents, merged)
+            out.write_slot(slot, merged)
+            bar.advance((stop - start) * job.out_dtype.itemsize)
+
+    def _merge(self, job: Job, base: np.ndarray, agents: np.ndarray, merged: np.ndarray) -> None:
+        keep_lo, keep_hi = (np.ascontiguousarray(r.numpy()) for r in self.obs.window(job.name))
+        self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_merge_range(
+            base, agents, lo, hi, keep_lo, keep_hi, self.w, self.elect, self.normalize, self.div, self.scaling,
+            self.apply_scaling, merged))
+
+
+__all__ = ["FAST_PRESETS", "PRESETS", "GtaFast", "build"]

@@ -1,0 +1,144 @@
+"""TIES and Breadcrumbs on the fast path (fastgta.py, _numba_gta.py) write the torch path's bytes: same
+thresholds (exact k-th largest |τ| per tensor or per model), same merge rule, same rounding, whatever the
+block size; their statistics are the same counts, and a non-finite τ is named as on the torch path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import rlmerge
+from conftest import TINY
+from rlmerge import kernels
+from rlmerge.errors import InputError
+from rlmerge.methods._select import HI_BINS, LO_BINS, KthLargest
+from rlmerge.synthetic import make_example
+from test_fastpath import _edge_models, _same_bytes
+
+pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed: no fast path to test")
+
+CASES = [
+    ("ties", {"density": 0.3}, None, None),
+    ("ties", {"density": 0.5}, None, 1000),  # most tensors span several blocks: three reads each
+    ("ties", {"density": 0.5, "weights": [0.3, 1.0, 0.6], "scaling": 0.7}, "float32", 777),
+    ("ties", {"density": [0.1, 0.9, 1.0], "normalize": False}, None, 4096),
+    ("ties_global", {"density": 0.2}, None, None),
+    ("ties_global", {"density": 0.4}, "float32", 999),
+    ("breadcrumbs", {}, None, 1000),
+    ("breadcrumbs_ties", {"density": 0.5, "gamma": 0.05}, None, None),
+    ("breadcrumbs", {"density": 0.6, "gamma": 0.1, "normalize": True, "weights": [1.0, 0.5, 0.25]}, None, 3333),
+]
+
+
+def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.MonkeyPatch, method: str,
+                params: dict, dtype: str | None, block: int | None) -> tuple[rlmerge.MergeResult, rlmerge.MergeResult,
+                                                                            int]:
+    calls = []
+    real = kernels.gta_merge_range
+
+    def spy(*args: object) -> None:
+        calls.append(1)
+        real(*args)
+
+    kw = {"block_size": block} if block else {}
+    monkeypatch.setenv("RLMERGE_FAST", "0")
+    slow = rlmerge.merge(base, agents, tmp / "torch", method=method, params=params, dtype=dtype, **kw)
+    monkeypatch.setenv("RLMERGE_FAST", "1")
+    monkeypatch.setattr(kernels, "gta_merge_range", spy)
+    fast = rlmerge.merge(base, agents, tmp / "fast", method=method, params=params, dtype=dtype, **kw)
+    return slow, fast, len(calls)
+
+
+@pytest.mark.parametrize(("method", "params", "dtype", "block"), CASES)
+def test_fast_gta_writes_the_torch_paths_bytes(example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str,
+                                               params: dict, dtype: str | None, block: int | None) -> None:
+    base, agents = example
+    slow, fast, calls = _merge_both(base, agents, tmp_path, monkeypatch, method, params, dtype, block)
+    assert calls > 0, "the fast path did not run"
+    _same_bytes(tmp_path / "torch", tmp_path / "fast")
+    assert slow.statistics.tensors.keys() == fast.statistics.tensors.keys()
+    for name, s in slow.statistics.tensors.items():
+        f = fast.statistics.tensors[name]
+        for attr in ("kofn", "overlap", "sign_agree"):
+            np.testing.assert_array_equal(getattr(s, attr), getattr(f, attr), err_msg=f"{name}.{attr}")
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("method", "params"), [("ties", {"density": 0.4}), ("ties_global", {"density": 0.7}),
+                                                ("breadcrumbs_ties", {"density": 0.8, "gamma": 0.01})])
+def test_edge_values_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stored: torch.dtype, method: str,
+                                params: dict) -> None:
+    """±0 bases, cancelling agents (the elected sign at a zero sum), ties at the threshold, subnormals."""
+    base, agents = _edge_models(tmp_path / "in", stored)
+    for out_dtype in ("bfloat16", "float32"):
+        for block in (1000, 1 << 20):  # several blocks (three reads) and one block (selection in memory)
+            _, _, calls = _merge_both(base, agents, tmp_path / f"{out_dtype}{block}", monkeypatch, method, params,
+                                      out_dtype, block)
+            assert calls > 0
+            _same_bytes(tmp_path / f"{out_dtype}{block}" / "torch", tmp_path / f"{out_dtype}{block}" / "fast")
+
+
+def test_thresholds_are_the_exact_kth_largest(tmp_path: Path) -> None:
+    """An oracle independent of both paths: each agent's kept count per tensor is exactly k = ⌊density·numel⌋
+    when |τ| has no ties (float32 agents with distinct random deltas)."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(64, 80, generator=g)
+    root = tmp_path / "in"
+    paths = []
+    for i in range(4):
+        d = root / f"m{i}"
+        d.mkdir(parents=True)
+        w = base if i == 0 else base + torch.randn(64, 80, generator=g) * 1e-2
+        save_file({"model.embed_tokens.weight": w.contiguous()}, str(d / "model.safetensors"))
+        (d / "config.json").write_text('{"model_type": "llama", "tie_word_embeddings": false}')
+        paths.append(d)
+    out = tmp_path / "out"
+    rlmerge.merge(paths[0], paths[1:2], out, method="ties", params={"density": 0.25}, dtype="float32",
+                  block_size=1000)
+    merged = load_file(str(out / "model.safetensors"))["model.embed_tokens.weight"]
+    assert int((merged != base).sum()) == int(0.25 * base.numel())
+
+
+def test_non_finite_delta_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base, agents = make_example(tmp_path / "in", shape=TINY)
+    name = "model.layers.0.mlp.up_proj.weight"
+    bad = load_file(str(agents[2] / "model.safetensors"))
+    bad[name] = bad[name].clone()
+    bad[name].view(-1)[123] = float("nan")
+    save_file(bad, str(agents[2] / "model.safetensors"))
+    monkeypatch.setenv("RLMERGE_FAST", "1")
+    for method in ("ties", "ties_global"):
+        for block in (100, 1 << 20):
+            with pytest.raises(InputError) as e:
+                rlmerge.merge(base, agents, tmp_path / f"out-{method}-{block}", method=method, block_size=block)
+            assert name in str(e.value) and "123" in str(e.value) and str(agents[2]) in str(e.value)
+            assert not (tmp_path / f"out-{method}-{block}").exists()
+
+
+def test_histogram_counts_equal_fed_values() -> None:
+    """KthLargest fed by kernel histograms (the fast path) answers as when fed the values (the torch path)."""
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16)
+    agents = torch.stack([(base.float() + torch.randn(5000, generator=g) * 1e-3).to(torch.bfloat16)
+                          for _ in range(2)])
+    tau = agents.float() - base.float()
+    fed, counted = (KthLargest(n_streams=2, streams=[0, 1, 1]) for _ in range(2))
+    b16, a16 = base.view(torch.int16).numpy().view(np.uint16), agents.view(torch.int16).numpy().view(np.uint16)
+    fed.feed(tau)
+    hist = np.zeros((2, HI_BINS), dtype=np.int64)
+    kernels.gta_hist_hi(b16, a16, 0, 5000, hist)
+    counted.add_counts(hist)
+    for sel in (fed, counted):
+        sel.next_round([10, 1, 4000])
+    fed.feed(tau)
+    lo = np.zeros((3, LO_BINS), dtype=np.int64)
+    kernels.gta_hist_lo(b16, a16, 0, 5000, counted.streams, counted.bin_hi, lo)
+    counted.add_counts(lo)
+    for sel in (fed, counted):
+        sel.next_round()
+    want = [torch.sort(tau[t].abs(), descending=True).values[k - 1].item() for t, k in ((0, 10), (1, 1), (1, 4000))]
+    assert fed.values().tolist() == counted.values().tolist() == want
