@@ -2,7 +2,8 @@
 
     python benchmarks/run.py --size 0.5b                       # every method, mergekit where installed
     python benchmarks/run.py --size 1.5b --methods ram,ram+ --no-mergekit
-    python benchmarks/run.py --size 7b --layers 4 --no-mergekit  # the 7B shape, trimmed to fit the disk
+    python benchmarks/run.py --size 7b --layers 4 --no-mergekit  # the 7B shape, trimmed
+    python benchmarks/run.py --size 7b --methods ram+ --no-mergekit --out-dir /dev/shm/rlbench  # full 7B
 
 Each merge runs as a child process; its peak RSS comes from GNU time (``%M``). ``wall`` is the child's whole life
 (interpreter start and imports included) and is what × mergekit compares; ``merge s`` is the time inside
@@ -142,6 +143,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="trim the shape to this many layers")
     ap.add_argument("--methods", default="ram,ram+,ram+tl,task_arithmetic,linear,ties")
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench-data")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="where merge outputs (and the floor's scratch file) go; default: the workdir. "
+                         "A tmpfs such as /dev/shm/x when the disk cannot hold the inputs and the output")
     ap.add_argument("--mergekit", type=Path, default=ROOT / ".venv-mergekit", help="mergekit venv")
     ap.add_argument("--no-mergekit", action="store_true")
     ap.add_argument("--block-size", type=int, default=None)
@@ -159,7 +163,9 @@ def main() -> None:
     print(f"set {tag}: {base.parent} ({time.perf_counter() - t0:.0f} s to make or find)", flush=True)
     inputs = [m / "model.safetensors" for m in (base, *agents)]
     in_bytes, out_bytes = sum(f.stat().st_size for f in inputs), inputs[0].stat().st_size
-    read_s, write_s = floor(inputs, out_bytes, args.workdir / "floor.tmp")
+    args.out_dir = args.out_dir or args.workdir
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    read_s, write_s = floor(inputs, out_bytes, args.out_dir / "floor.tmp")
     floor_s = read_s + write_s
     print(f"floor: read {in_bytes / 1e9:.2f} GB in {read_s:.2f} s + write {out_bytes / 1e9:.2f} GB in "
           f"{write_s:.2f} s = {floor_s:.2f} s", flush=True)
@@ -182,7 +188,7 @@ def main() -> None:
 
 def bench_case(key: str, case: Case, base: Path, agents: list[Path], args: argparse.Namespace, floor_s: float,
                mk_bin: Path | None, *, torch_path: bool = False) -> dict:
-    work = args.workdir
+    work = args.out_dir
     ours = work / f"out-{key}"
     shutil.rmtree(ours, ignore_errors=True)
     job = {"base": str(base), "agents": [str(a) for a in agents], "out": str(ours), "method": case.rlmerge,
