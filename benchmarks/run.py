@@ -54,6 +54,11 @@ CASES: dict[str, Case] = {
                             {"weight": 1.0}),
     "linear": Case("linear", {}, "linear", {"normalize": True}, {"weight": 1.0}),
     "ties": Case("ties", {"density": 0.5}, "ties", {}, {"weight": 1.0, "density": 0.5}),  # both: disjoint mean
+    "breadcrumbs_ties": Case("breadcrumbs_ties", {"density": 0.9, "gamma": 0.01}, "breadcrumbs_ties", {},
+                             {"weight": 1.0, "density": 0.9, "gamma": 0.01}),
+    # random drops: the two tools draw different masks, so max |diff| only bounds the scale of the disagreement
+    "dare_ties": Case("dare_ties", {"density": 0.5, "rescale": "l1"}, "dare_ties", {}, {"weight": 1.0, "density": 0.5}),
+    "model_stock": Case("model_stock", {}, "model_stock", {}, {}),
 }
 
 
