@@ -148,3 +148,14 @@ def test_lab_tasks_alone_need_no_lm_eval(checkpoint: Path, monkeypatch: pytest.M
     result = typer_testing.CliRunner().invoke(_app(), ["eval", str(checkpoint), "--tasks", "coding", "--n", "3"])
     assert result.exit_code == 0, result.output
     assert "coding" in result.output and "(n=3)" in result.output
+
+
+def test_unknown_task_through_the_console_entry_is_a_message_not_a_traceback(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rlmerge.cli import main
+
+    assert main(["eval", str(checkpoint), "--tasks", "coding,chess"]) == 2
+    stderr = capsys.readouterr().err
+    assert "error: --tasks:" in stderr and "'chess'" in stderr
+    assert "Traceback" not in stderr

@@ -9,6 +9,16 @@ from typing import Annotated
 import typer
 
 
+def _usage_error(message: str) -> typer.Exit:
+    """Print a usage error and return the exit to raise (code 2, as click's usage errors).
+
+    Not typer.BadParameter: typer 0.29 raises its vendored click's exceptions, which `rlmerge.cli.main`
+    does not catch, so they surfaced as a traceback instead of a message.
+    """
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
 def lab_command(
     size: Annotated[str, typer.Option(help="smoke (CI, < 3 min) or tiny (< 20 min on 2 cores).")] = "tiny",
     out: Annotated[Path, typer.Option(help="Folder for checkpoints, results.json, table.md, plot.png.")] = Path(
@@ -23,7 +33,7 @@ def lab_command(
     from rlmerge.lab import pipeline
 
     if size not in pipeline.SIZES:
-        raise typer.BadParameter(f"unknown size {size!r}; choose from {', '.join(pipeline.SIZES)}")
+        raise _usage_error(f"unknown size {size!r}; choose from {', '.join(pipeline.SIZES)}")
     pipeline.SIZES[size] = pipeline.with_steps(pipeline.SIZES[size], grpo_steps, warmup_steps)
     summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed)
     typer.echo(summary["table"])
@@ -69,11 +79,11 @@ def eval_command(
     torch.set_num_threads(1)
     names = list(dict.fromkeys(t.strip() for t in tasks.split(",") if t.strip()))
     if not names:
-        raise typer.BadParameter("no task given")
+        raise _usage_error("no task given (--tasks)")
     try:
         split = split_tasks(names, include_path or [])
     except UnknownTask as err:
-        raise typer.BadParameter(str(err), param_hint="--tasks") from err
+        raise _usage_error(f"--tasks: {err}") from err
     loaded, tokenizer = load_checkpoint(model)
     scores = {
         f: 100.0 * score_examples(loaded, tokenizer, make_split(make_family(f), "test", n, seed)) for f in split.lab
