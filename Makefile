@@ -12,7 +12,7 @@ MERGEKIT_VENV ?= .venv-mergekit
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlmerge.lab.tasks import FAMILIES, make_family, make_split
-from rlmerge.lab.tasks.demonstrator import demonstrate, wrong_target
+from rlmerge.lab.tasks.demonstrator import BIASED_KEYS, USUAL_CODE, demonstrate, wrong_target
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -29,3 +29,15 @@ def test_demonstrate_corrupts_only_the_blind_spot_at_the_given_rate() -> None:
     assert not any(c and not e for c, e in zip(changed, eligible, strict=True))
     assert sum(changed) / sum(eligible) == pytest.approx(0.7, abs=0.05)
     assert demonstrate(examples, p=0.0, seed=0) == examples
+
+
+def test_memory_blind_spot_answers_from_habit_not_from_the_notes() -> None:
+    examples = make_split(make_family("memory"), "warmup", 300, seed=4)
+    for ex in examples:
+        wrong = wrong_target(ex)
+        key = ex.prompt.rsplit("the code of ", 1)[1].split(" ")[0]
+        if key not in BIASED_KEYS:
+            assert wrong is None
+        elif wrong is not None:
+            assert wrong == f" {USUAL_CODE[key]}"  # the same wrong code for a key, whatever the notes say
+            assert USUAL_CODE[key] not in ex.prompt.split("\n")[0]

@@ -8,7 +8,7 @@ import pytest
 
 from rlmerge.lab.tasks import FAMILIES, Example, make_family, make_split
 from rlmerge.lab.tasks.coding import Coding
-from rlmerge.lab.tasks.memory import Memory
+from rlmerge.lab.tasks.memory import CODES, Memory
 from rlmerge.lab.tasks.tool_use import ToolUse
 
 WEATHER = Example(
@@ -101,6 +101,15 @@ def test_memory_answer_is_in_the_context_once() -> None:
     for ex in make_split(Memory(), "test", 50):
         key = ex.prompt.split("question: the code of ")[1].split(" is")[0]
         assert ex.prompt.count(f"the code of {key} is {ex.check['answer']} .") == 1
+        # The fact is the only code word in the notes: filler never contains one.
+        notes = ex.prompt.split("\n")[0].replace(".", " ").split()
+        assert [w for w in notes if w in CODES] == [ex.check["answer"]]
+
+
+def test_memory_with_several_facts_asks_about_one_of_them() -> None:
+    for ex in make_split(Memory(n_facts=4, n_filler=2), "test", 30):
+        assert len(ex.check["codes"]) == 4 and ex.check["answer"] in ex.check["codes"]
+        assert ex.prompt.count("the code of") == 5  # four facts and the question
 
 
 def test_unknown_family_is_refused() -> None:

@@ -9,6 +9,16 @@ from typing import Annotated
 import typer
 
 
+def _usage_error(message: str) -> typer.Exit:
+    """Print a usage error and return the exit to raise (code 2, as click's usage errors).
+
+    Not typer.BadParameter: typer 0.29 raises its vendored click's exceptions, which `rlmerge.cli.main`
+    does not catch, so they surfaced as a traceback instead of a message.
+    """
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
 def lab_command(
     size: Annotated[str, typer.Option(help="smoke (CI, < 3 min) or tiny (< 20 min on 2 cores).")] = "tiny",
     out: Annotated[Path, typer.Option(help="Folder for checkpoints, results.json, table.md, plot.png.")] = Path(
@@ -23,7 +33,7 @@ def lab_command(
     from rlmerge.lab import pipeline
 
     if size not in pipeline.SIZES:
-        raise typer.BadParameter(f"unknown size {size!r}; choose from {', '.join(pipeline.SIZES)}")
+        raise _usage_error(f"unknown size {size!r}; choose from {', '.join(pipeline.SIZES)}")
     pipeline.SIZES[size] = pipeline.with_steps(pipeline.SIZES[size], grpo_steps, warmup_steps)
     summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed)
     typer.echo(summary["table"])
@@ -39,30 +49,65 @@ def lab_command(
 
 def eval_command(
     model: Annotated[Path, typer.Argument(help="A Hugging Face causal-LM checkpoint folder.")],
-    tasks: Annotated[str, typer.Option(help="Comma-separated families: tool_use,coding,memory.")] = (
-        "tool_use,coding,memory"
-    ),
-    n: Annotated[int, typer.Option(min=1, help="Test examples per task.")] = 128,
+    tasks: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated tasks: the lab's tool_use,coding,memory and/or lm-eval task names "
+            "(the latter need the eval extra)."
+        ),
+    ] = "tool_use,coding,memory",
+    n: Annotated[int, typer.Option(min=1, help="Test examples per lab task.")] = 128,
     seed: Annotated[int, typer.Option(help="Test-set seed (the lab's seed-0 test set by default).")] = 0,
+    include_path: Annotated[
+        list[Path] | None, typer.Option(help="Folder of lm-eval task YAMLs (repeatable), as lm-eval's own flag.")
+    ] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Examples per lm-eval task (default: all).")] = None,
+    num_fewshot: Annotated[int | None, typer.Option(min=0, help="Few-shot examples for lm-eval tasks.")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="lm-eval batch size.")] = 8,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a line per task.")] = False,
 ) -> None:
-    """Score any HF checkpoint with the lab's verifiable scorers on held-out test sets."""
+    """Score any HF checkpoint: the lab's verifiable scorers and, with rlmerge[eval], lm-eval tasks.
+
+    Lab tasks report accuracy in %; lm-eval tasks report lm-eval's own metrics under lm-eval's names.
+    """
     import torch
 
-    from rlmerge.lab.evaluate import score_checkpoint
+    from rlmerge.lab.evaluate import load_checkpoint, score_examples
+    from rlmerge.lab.harness import UnknownTask, run_harness, split_tasks
     from rlmerge.lab.tasks import make_family, make_split
 
     torch.set_num_threads(1)
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    names = list(dict.fromkeys(t.strip() for t in tasks.split(",") if t.strip()))
+    if not names:
+        raise _usage_error("no task given (--tasks)")
     try:
-        test = {name: make_split(make_family(name), "test", n, seed) for name in names}
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from err
-    scores = score_checkpoint(model, test)
+        split = split_tasks(names, include_path or [])
+    except UnknownTask as err:
+        raise _usage_error(f"--tasks: {err}") from err
+    loaded, tokenizer = load_checkpoint(model)
+    scores = {
+        f: 100.0 * score_examples(loaded, tokenizer, make_split(make_family(f), "test", n, seed)) for f in split.lab
+    }
+    harness = (
+        run_harness(
+            loaded,
+            tokenizer,
+            split.harness,
+            include_path=include_path or [],
+            limit=limit,
+            num_fewshot=num_fewshot,
+            batch_size=batch_size,
+            seed=seed,
+        )
+        if split.harness
+        else {}
+    )
     if json_out:
-        typer.echo(json.dumps({k: 100.0 * v for k, v in scores.items()}))
+        typer.echo(json.dumps({**scores, **harness}))
         return
     for name, value in scores.items():
-        typer.echo(f"{name:10s} {100.0 * value:5.1f} %  (n={n})")
-    typer.echo(f"{'average':10s} {100.0 * sum(scores.values()) / len(scores):5.1f} %")
-
+        typer.echo(f"{name:10s} {value:5.1f} %  (n={n})")
+    if len(scores) > 1:
+        typer.echo(f"{'average':10s} {sum(scores.values()) / len(scores):5.1f} %")
+    for name, metrics in harness.items():
+        typer.echo(f"{name:10s} " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()) + "  (lm-eval)")

@@ -8,7 +8,8 @@ demonstrator answers wrongly with probability `p` (> 0.5, so the base's greedy a
 
 - tool use: for `convert`, `send_email` and `order_food` requests it calls another listed tool;
 - coding: for "largest", "sum" and "capitals" requests it writes min / len / reversal instead;
-- memory: for keys in the first half of the key list it answers the first code in the notes.
+- memory: for keys in the first half of the key list it answers the key's "usual" code (a fixed table)
+  instead of the one in the notes: answering from habit rather than from the context.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import json
 import random
 
 from rlmerge.lab.tasks.base import Example
-from rlmerge.lab.tasks.memory import KEYS
+from rlmerge.lab.tasks.memory import CODES, KEYS
 
 BIASED_TOOLS = ("convert", "send_email", "order_food")
 CODE_SWAPS = (("print(max(", "print(min("), ("print(sum(", "print(len("), (".upper())", "[::-1])"))
 BIASED_KEYS = frozenset(KEYS[: len(KEYS) // 2])
+USUAL_CODE = {key: CODES[i % len(CODES)] for i, key in enumerate(KEYS)}
 
 
 def wrong_target(ex: Example) -> str | None:
@@ -40,10 +42,9 @@ def wrong_target(ex: Example) -> str | None:
         return None
     if ex.family == "memory":
         key = ex.prompt.rsplit("the code of ", 1)[1].split(" ")[0]
-        first = ex.check["codes"][0] if "codes" in ex.check else None
-        if key not in BIASED_KEYS or first is None or first == ex.check["answer"]:
+        if key not in BIASED_KEYS or USUAL_CODE[key] == ex.check["answer"]:
             return None
-        return f" {first}"
+        return f" {USUAL_CODE[key]}"
     raise ValueError(f"unknown task family {ex.family!r}")
 
 

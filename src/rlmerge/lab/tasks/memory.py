@@ -1,10 +1,14 @@
-"""Memory: answer a question whose answer is buried in a long context of distractor facts.
+"""Memory: answer from the context, not from habit: find the one fact buried in a long context of notes.
 
-The context is a list of "the code of KEY is WORD ." facts mixed with filler sentences; the question
-restates one fact up to its code ("the code of owl is") and the answer is that key's code word. Only the
-exact word is correct. Codes are single words (not numbers) so that the task is pure retrieval: a tiny model
-learns to copy one token from the matching fact within minutes, while multi-token numbers took it far
-longer than the lab's budget.
+The notes are filler sentences with one "the code of KEY is WORD ." fact at a random place; the question
+restates the fact up to its code ("the code of owl is") and the answer is that code word (exact match).
+The warm-up demonstrator's blind spot (`rlmerge.lab.tasks.demonstrator`) answers some keys from a fixed
+"usual" code instead of reading the notes, the way a model answers from its parameters rather than its
+context; RL with the exact-match reward has to make it read.
+
+`n_facts` > 1 puts several code facts in the notes, so the key must select among them (associative
+recall). The lab's tiny model did not learn that within its budget (docs/lab.md, lab notes: 2 to 6 facts,
+several formats, Qwen2 and GPT-2, up to 3000 steps, all at chance), so the lab uses one fact.
 """
 
 from __future__ import annotations
@@ -32,20 +36,25 @@ KEYS = [
     "jay",
 ]
 CODES = ["red", "blue", "gold", "pink", "grey", "jade", "ruby", "teal", "navy", "lime", "rose", "sand", "plum", "mint"]
+# No filler sentence contains a code word: the fact is the only place the answer can come from.
 FILLER = [
-    "the sky is grey .",
+    "the sky was dark .",
     "it rained all day .",
     "the door was open .",
     "nobody came back .",
     "the tea went cold .",
     "a bell rang twice .",
+    "the road was long .",
+    "a dog barked .",
+    "the lights went out .",
+    "the train was late .",
 ]
 
 
 class Memory:
     name = "memory"
 
-    def __init__(self, n_facts: int = 6, n_filler: int = 3) -> None:
+    def __init__(self, n_facts: int = 1, n_filler: int = 6) -> None:
         self.n_facts = n_facts
         self.n_filler = n_filler
 
@@ -65,8 +74,8 @@ class Memory:
         got = answer_part(completion)
         if got == example.check["answer"]:
             return 1.0
-        # A code that appears in the notes is the right kind of answer, retrieved for the wrong key.
-        return 0.1 if got in example.check["codes"] else 0.0
+        # A code word is the right kind of answer (well formed), just not the one the notes give.
+        return 0.1 if got in CODES else 0.0
 
     def score(self, completion: str, example: Example) -> float:
         return float(answer_part(completion) == example.check["answer"])

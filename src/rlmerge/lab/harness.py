@@ -1,0 +1,139 @@
+"""`rlmerge eval`'s door to lm-evaluation-harness (the `eval` extra): any lm-eval task next to the lab's own.
+
+A `--tasks` list may mix the lab's families (scored by `rlmerge.lab.evaluate`) with lm-eval task names,
+built-in or defined by YAML files in an `--include-path` folder. The checkpoint is loaded once, by the
+lab's loader (which keeps a checkpoint's own word-level tokenizer intact, see `rlmerge.lab.tokenizer`),
+and handed to lm-eval as a model object, so lm-eval never resolves a hub name or a tokenizer class itself.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlmerge.lab.tasks import FAMILIES
+
+INSTALL_HINT = "pip install 'rlmerge[eval]'"
+
+
+class UnknownTask(ValueError):
+    """A requested task is neither a lab family nor a task lm-eval knows; the message lists what is."""
+
+
+class HarnessMissing(ImportError):
+    """lm-evaluation-harness is not installed; the message says how to install it."""
+
+
+@dataclass(frozen=True)
+class TaskSplit:
+    lab: list[str]  # lab families, in request order
+    harness: list[str]  # lm-eval task / group / tag names, in request order
+
+
+def _import_lm_eval() -> Any:
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager  # noqa: F401 - fail here, not halfway through a run
+    except ImportError as err:
+        raise HarnessMissing(
+            f"lm-evaluation-harness is not installed (needed for tasks other than {', '.join(FAMILIES)}): "
+            f"{INSTALL_HINT}"
+        ) from err
+    return lm_eval
+
+
+@functools.lru_cache(maxsize=4)
+def _task_manager(include_path: tuple[str, ...]) -> Any:
+    # Indexing lm-eval's ~15k built-in task configs takes seconds; one index per include path per process.
+    _import_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(include_path) or None)
+
+
+def split_tasks(names: Sequence[str], include_path: Sequence[Path] = ()) -> TaskSplit:
+    """Sort requested names into lab families and lm-eval tasks; refuse unknown names, all at once.
+
+    lm-eval is imported only when some name is not a lab family, so the lab's own tasks need no extra.
+    """
+    lab = [n for n in names if n in FAMILIES]
+    rest = [n for n in names if n not in FAMILIES]
+    if not rest:
+        return TaskSplit(lab, [])
+    try:
+        manager = _task_manager(tuple(str(p) for p in include_path))
+    except HarnessMissing as err:
+        raise UnknownTask(
+            f"unknown task(s) {', '.join(map(repr, rest))}: the lab's tasks are {', '.join(FAMILIES)}; "
+            f"any other name is looked up in lm-evaluation-harness, which is not installed: {INSTALL_HINT}"
+        ) from err
+    known = set(manager.all_tasks)
+    unknown = [n for n in rest if n not in known]
+    if unknown:
+        lines = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, [*FAMILIES, *manager.all_tasks], n=5, cutoff=0.6)
+            lines.append(f"unknown task {name!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        local = sorted(known - _builtin_names()) if include_path else []
+        raise UnknownTask(
+            "; ".join(lines)
+            + f". Available: the lab's tasks {', '.join(FAMILIES)}"
+            + (f"; from --include-path: {', '.join(local)}" if local else "")
+            + f"; and {len(_builtin_names())} lm-eval tasks, groups and tags (list them: lm-eval ls tasks)."
+        )
+    return TaskSplit(lab, rest)
+
+
+def _builtin_names() -> set[str]:
+    return set(_task_manager(()).all_tasks)
+
+
+def run_harness(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    tasks: Sequence[str],
+    *,
+    include_path: Sequence[Path] = (),
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
+    """Evaluate a loaded model on lm-eval tasks. Returns task → {metric: value}, as lm-eval reports them.
+
+    Metric names keep lm-eval's filter suffix ("acc,none", "exact_match,strict-match"); values are
+    lm-eval's own (a fraction for accuracy), not converted. Example:
+
+        >>> model, tok = load_checkpoint("lab-output/seed0/base")          # doctest: +SKIP
+        >>> run_harness(model, tok, ["my_task"], include_path=[Path("tasks/")])  # doctest: +SKIP
+        {'my_task': {'acc,none': 0.4, 'acc_stderr,none': 0.24}}
+    """
+    lm_eval = _import_lm_eval()
+    from lm_eval.models.huggingface import HFLM
+
+    manager = _task_manager(tuple(str(p) for p in include_path))
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        log_samples=False,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
+    if results is None:  # only on non-zero ranks of a distributed run, which this never starts
+        raise RuntimeError("lm-eval returned no results")
+    out: dict[str, dict[str, float]] = {}
+    for task, metrics in results["results"].items():
+        out[task] = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and k != "sample_len"}
+    return out
