@@ -67,7 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # click's usage errors
         import click
 
-        if isinstance(e, click.ClickException):
+        usage = [click.ClickException]
+        try:  # typer ≥ 0.29 raises its own vendored copy of click's exceptions
+            from typer._click.exceptions import ClickException as TyperClickException
+
+            usage.append(TyperClickException)
+        except ImportError:
+            pass
+        if isinstance(e, tuple(usage)):
             e.show()
             return e.exit_code
         raise
