@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from . import kernels
-from .fastpath import FastPath, OrderedWriter, eligible, enabled, stats_args
+from .fastpath import FastPath, OrderedWriter, eligible, enabled, statistics_pass_fast, stats_args
 from .methods import MethodSpec
 from .methods._select import HI_BINS, LO_BINS
-from .methods.gta import PRESETS, GtaObserver, _ranks
+from .methods.gta import GtaObserver, _ranks
 from .methods.task_arithmetic import agent_weights
 from .plan import Job, Plan
 from .stats import Statistics, TensorStats
@@ -98,18 +98,13 @@ class GtaFast:
 
     # -- the statistics pass (ties_global: both rounds over the whole model; else counts only) -------------
     def statistics_pass(self, jobs: list[Job], stats: Statistics, bar: Any) -> None:
-        fast = self.fast
-        if self.whole_model and jobs:
-            self.obs.begin_tensor(jobs[0].name, jobs[0].numel)
-        for job, start, stop, _slot, base, agents in fast.blocks(jobs):
-            fast.run(job, start, base, agents, self.stats_args, None, stats.for_tensor(job.name, job.numel, job.weight))
-            if self.whole_model:
-                self._count(job, start, base, agents)
-            bar.advance((stop - start) * job.info.dtype.itemsize)
-            if stop == job.numel:
-                bar.tensor_done()
-        if self.whole_model and self._end_round(None):
-            for job, start, _stop, _slot, base, agents in fast.blocks(jobs):
+        if not self.whole_model or not jobs:
+            statistics_pass_fast(self.fast, jobs, stats, bar)
+            return
+        self.obs.begin_tensor(jobs[0].name, jobs[0].numel)
+        statistics_pass_fast(self.fast, jobs, stats, bar, also=self._count)  # round 0 with the counts
+        if self._end_round(None):
+            for job, start, _stop, _slot, base, agents in self.fast.blocks(jobs):
                 self._count(job, start, base, agents)
             self._end_round(None)
 
@@ -157,5 +152,3 @@ class GtaFast:
             base, agents, lo, hi, keep_lo, keep_hi, self.w, self.elect, self.normalize, self.div, self.scaling,
             self.apply_scaling, merged))
 
-
-__all__ = ["FAST_PRESETS", "PRESETS", "GtaFast", "build"]

@@ -254,11 +254,14 @@ def stats_args(n_agents: int, eps: float) -> KernelArgs:
     return KernelArgs(kernels.MODE_STATS, np.float32(eps), ones, False, ones, False, one, one)
 
 
-def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar: Any) -> None:
-    """The statistics of ``jobs`` (all eligible) through the fused kernel."""
+def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar: Any,
+                         also: Callable[[Job, int, np.ndarray, np.ndarray], None] | None = None) -> None:
+    """The statistics of ``jobs`` (all eligible) through the fused kernel; ``also`` sees every block too."""
     args = stats_args(len(fast.plan.agents), stats.epsilon)
     for job, start, stop, _slot, base, agents in fast.blocks(jobs):
         fast.run(job, start, base, agents, args, None, stats.for_tensor(job.name, job.numel, job.weight))
+        if also is not None:
+            also(job, start, base, agents)
         bar.advance((stop - start) * job.info.dtype.itemsize)
         if stop == job.numel:
             bar.tensor_done()
