@@ -175,3 +175,33 @@ def test_cuda_device_same_bytes(example, tmp_path: Path) -> None:
         rlmerge.merge(base, agents, tmp_path / f"gpu-{method}", method=method, device="cuda")
         _same_bytes(tmp_path / f"cpu-{method}", tmp_path / f"gpu-{method}")
         assert load_output(tmp_path / f"gpu-{method}").keys() == load_output(tmp_path / f"cpu-{method}").keys()
+
+
+NO_TORCH = """
+import sys
+from rlmerge.cli import main
+rc = main(["merge", sys.argv[1], *sys.argv[2:5], "-o", sys.argv[5], "-q", "--method", sys.argv[6]])
+print(rc, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("method", ["ram+", "task_arithmetic"])
+def test_fast_path_merges_without_importing_torch(example, tmp_path: Path, method: str) -> None:
+    """torch costs ~2 s to import; a merge that runs wholly on the fused kernels must not pay it."""
+    import subprocess
+    import sys
+
+    base, agents = example
+    cmd = [sys.executable, "-c", NO_TORCH, str(base), *map(str, agents), str(tmp_path / "out"), method]
+    got = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
+    assert got == ["0", "False"], got
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_unknown_device_is_a_config_error(example, tmp_path: Path) -> None:
+    from rlmerge.errors import ConfigError
+
+    base, agents = example
+    with pytest.raises(ConfigError, match="unknown device"):
+        rlmerge.merge(base, agents, tmp_path / "out", device="gpu0")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

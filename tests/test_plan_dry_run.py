@@ -93,6 +93,7 @@ MEASURE = """
 import json, shutil, sys
 from pathlib import Path
 import rlmerge
+import torch  # the torch path imports it on first use; BASELINE counts it
 from rlmerge.budget import estimate_memory
 from rlmerge.checkpoint import open_all
 

@@ -14,9 +14,9 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
-
+from ._torch import torch
 from .checkpoint import Checkpoint
+from .errors import ConfigError
 from .plan import Job, Plan
 
 DEFAULT_BLOCK = 1 << 22  # elements per block: 16 MiB of float32 per buffer
@@ -42,6 +42,27 @@ def spans(numel: int, step: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + step, numel)
 
 
+def device_type(device: str) -> str:
+    """'cpu', 'cuda', … for a device string; refuses a device torch does not know or cannot use.
+
+    "cpu" is answered without importing torch (the fast path never needs it).
+    """
+    if str(device) == "cpu":
+        return "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"unknown device {device!r}", hint="use cpu, cuda or cuda:N") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: CUDA is not available here", hint="use --device cpu")
+    return str(dev.type)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, as the writer takes them."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy())
+
+
 def pin_malloc_threshold(limit: int = 1 << 20) -> None:
     """Keep glibc from growing the heap with every block-sized temporary.
 
@@ -57,7 +78,11 @@ def pin_malloc_threshold(limit: int = 1 << 20) -> None:
 
 
 class BlockReader:
-    """Yields the blocks of a merge job, reading the base and every agent into reused buffers."""
+    """Yields the blocks of a merge job, reading the base and every agent into reused buffers.
+
+    The buffers (and torch) come with the first block: a merge whose jobs all run on the fast path never
+    allocates them.
+    """
 
     def __init__(self, plan: Plan, *, block_size: int = DEFAULT_BLOCK, device: str = "cpu", rows: bool = False,
                  extras: list[Checkpoint] | None = None) -> None:
@@ -66,17 +91,18 @@ class BlockReader:
         largest = max((j.numel for j in plan.merge_jobs), default=1)
         self.block_size = min(block_size, largest)
         self.plan = plan
-        self.device = torch.device(device)
+        self.device = device
         self.rows = rows  # blocks hold whole rows: a multiple of shape[1:], at least one row
         self.extras = extras
+        self._size = 0  # elements the buffers hold; 0 until the first block
         pin_malloc_threshold()
-        self._alloc(self.block_size)
 
     def _alloc(self, size: int) -> None:
         n = len(self.plan.agents)
         self._base = torch.empty(size, dtype=torch.float32)
         self._agents = torch.empty((n, size), dtype=torch.float32)
         self._extra = torch.empty((n, size), dtype=torch.float32) if self.extras else None
+        self._size = size
 
     def step(self, job: Job) -> int:
         if not self.rows:
@@ -90,8 +116,9 @@ class BlockReader:
 
     def blocks(self, job: Job) -> Iterator[Block]:
         plan = self.plan
-        if self.step(job) > self._base.numel():
-            self._alloc(self.step(job))  # one row is larger than the block size: grow to one row
+        if self.step(job) > self._size:  # the first block, or one row larger than the block size: grow
+            self._alloc(max(self.step(job), self.block_size))
+        device = torch.device(self.device)
         for start, stop in self.spans(job):
             n = stop - start
             base = plan.base.read_f32(job.name, start, stop, self._base)
@@ -107,7 +134,7 @@ class BlockReader:
                     deltas[t].sub_(base)
                 else:
                     deltas[t].zero_()
-            if self.device.type != "cpu":
-                base, deltas = base.to(self.device, non_blocking=True), deltas.to(self.device, non_blocking=True)
-                extra = None if extra is None else extra.to(self.device, non_blocking=True)
+            if device.type != "cpu":
+                base, deltas = base.to(device, non_blocking=True), deltas.to(device, non_blocking=True)
+                extra = None if extra is None else extra.to(device, non_blocking=True)
             yield Block(job, start, stop, base, deltas, extra)

@@ -18,19 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from ._torch import torch
+from .dtypes import DTYPES, FLOAT_DTYPES, DType, from_torch
 from .errors import InputError, RLMergeError, raise_all
 
-# safetensors dtype names → torch dtypes (little-endian, as the format requires).
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; a larger header is a memory bomb
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 SIDE_FILES = (
@@ -45,7 +36,7 @@ class TensorInfo:
     """Where one stored tensor lives. ``offset`` is absolute in ``file`` (safetensors only)."""
 
     name: str
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     file: Path
     offset: int = -1
@@ -251,7 +242,7 @@ class Checkpoint:
             raise InputError("the file holds no tensors at its top level", file=str(f),
                              hint="a training checkpoint? save the model's state_dict() on its own")
         self._bin[f] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-        return {k: TensorInfo(k, v.dtype, tuple(v.shape), f) for k, v in self._bin[f].items()}
+        return {k: TensorInfo(k, from_torch(v.dtype), tuple(v.shape), f) for k, v in self._bin[f].items()}
 
     @property
     def files(self) -> list[Path]:
@@ -273,7 +264,7 @@ class Checkpoint:
         if self.format == "bin":
             dst.copy_(self._bin[info.file][name].reshape(-1)[start:stop])
             return dst
-        dst.copy_(torch.frombuffer(self._read_bytes(info, start, stop), dtype=info.dtype, count=n))
+        dst.copy_(torch.frombuffer(self._read_bytes(info, start, stop), dtype=info.dtype.torch, count=n))
         return dst
 
     def read_raw(self, name: str, start: int, stop: int) -> memoryview:

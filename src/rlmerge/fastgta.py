@@ -21,7 +21,7 @@ from .fastpath import FastPath, OrderedWriter, eligible, enabled, statistics_pas
 from .methods import MethodSpec
 from .methods._select import HI_BINS, LO_BINS
 from .methods.gta import GtaObserver, _ranks
-from .methods.task_arithmetic import agent_weights
+from .methods.task_arithmetic import agent_weights, weight_sum
 from .plan import Job, Plan
 from .stats import Statistics, TensorStats
 
@@ -45,12 +45,11 @@ class GtaFast:
         preset = observer.preset
         n = len(fast.plan.agents)
         self.whole_model = preset.prune == "magnitude-global"
-        w = agent_weights(preset.summary.split(":")[0], params.weights, n)
-        div = w.sum()  # methods/_ops.combine without a mask
-        self.w = w.numpy()
+        self.w = agent_weights(preset.summary.split(":")[0], params.weights, n)
+        div = weight_sum(self.w)  # methods/_ops.combine without a mask
         self.elect = preset.sign_election
         self.normalize = bool(preset.normalize if params.normalize is None else params.normalize)
-        self.div = np.float32(div.item() if float(div.abs()) >= 1e-8 else 1.0)
+        self.div = div if abs(div) >= 1e-8 else np.float32(1.0)
         self.scaling = np.float32(params.scaling)
         self.apply_scaling = params.scaling != 1.0
         self.hist_hi = np.zeros((fast.threads, n, HI_BINS), dtype=np.int64)

@@ -21,21 +21,31 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from . import kernels
+from ._torch import torch
+from .blocks import device_type
+from .dtypes import BF16, F32, DType
 from .methods import MethodSpec
 from .plan import Job, Plan
 from .stats import Statistics, TensorStats, check_finite
 
-STORED = {torch.bfloat16: np.uint16, torch.float32: np.float32}  # dtypes the kernels decode and encode
+STORED = {BF16: np.uint16, F32: np.float32}  # dtypes the kernels decode and encode
 FUSED = {"ram": kernels.MODE_RAM, "ram+": kernels.MODE_RAM, "task_arithmetic": kernels.MODE_TA,
          "linear": kernels.MODE_LINEAR}
 
 
 def enabled(device: str) -> bool:
     """numba present, CPU device, and not switched off with RLMERGE_FAST=0."""
-    return kernels.HAVE_NUMBA and torch.device(device).type == "cpu" and os.environ.get("RLMERGE_FAST", "1") != "0"
+    return kernels.HAVE_NUMBA and device_type(device) == "cpu" and os.environ.get("RLMERGE_FAST", "1") != "0"
+
+
+def compute_threads() -> int:
+    """Threads that run the kernels: RLMERGE_THREADS, else every CPU this process may use."""
+    if os.environ.get("RLMERGE_THREADS"):
+        return max(1, int(os.environ["RLMERGE_THREADS"]))
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every CPU
+    return max(1, len(affinity(0)) if affinity else (os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -74,9 +84,9 @@ def kernel_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None,
         return KernelArgs(mode, np.float32(p.epsilon), ones, False, ones, False, one, one)
     where = spec.name
     w = agent_weights(where, p.weights, n)
-    div = np.float32(_divisor(where, w).item()) if p.normalize else one
+    div = _divisor(where, w) if p.normalize else one
     scaling = np.float32(getattr(p, "scaling", 1.0))
-    return KernelArgs(mode, np.float32(eps), ones, False, w.numpy(), bool(p.normalize), div, scaling)
+    return KernelArgs(mode, np.float32(eps), ones, False, w, bool(p.normalize), div, scaling)
 
 
 def eligible(plan: Plan, job: Job) -> bool:
@@ -142,7 +152,7 @@ class FastPath:
         self.block = max(1, min(block_size, max((j.numel for j in plan.merge_jobs), default=1)))
         n = len(plan.agents)
         self.slots = [_Slot(n, self.block) for _ in range(2)]
-        self.threads = max(1, torch.get_num_threads())
+        self.threads = compute_threads()
         self.hist = np.zeros((self.threads, 4**n), dtype=np.int64)  # one row per compute thread
         self.gram = np.zeros((self.threads, n, n), dtype=np.float64)
         self._dummy_out = np.empty(1, dtype=np.float32)
@@ -220,8 +230,8 @@ class FastPath:
         return list(self._compute.map(lambda a: fn(*a), parts))
 
     def raise_non_finite(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray) -> None:
-        def f32(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(a.copy()).view(dtype).float()
+        def f32(a: np.ndarray, dtype: DType) -> torch.Tensor:
+            return torch.from_numpy(a.copy()).view(dtype.torch).float()
 
         b = f32(base, job.info.dtype)
         deltas = f32(agents, self.plan.agents[0].tensors[job.name].dtype) - b

@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
+from .blocks import tensor_bytes
 from .checkpoint import TensorInfo, resolve
+from .dtypes import F32
 from .errors import ConfigError, InputError, OutputError
 from .partial import PartialDir
 from .plan import Job
@@ -120,13 +122,13 @@ def estimate_fisher(model: str | os.PathLike[str], data: str | os.PathLike[str],
 
 
 def _write(out: Path, acc: dict[str, torch.Tensor], used: int, *, force: bool, meta: dict[str, Any]) -> None:
-    jobs = [Job(n, "merge", TensorInfo(n, torch.float32, tuple(t.shape), Path(n)), torch.float32, ())
+    jobs = [Job(n, "merge", TensorInfo(n, F32, tuple(t.shape), Path(n)), F32, ())
             for n, t in acc.items()]
     with PartialDir(out, force=force) as partial, \
             CheckpointWriter(partial, jobs, metadata={"rlmerge_fisher": "empirical"}) as writer:
         for job in jobs:  # one shard, or greedy shards in this order: the writer's order
             writer.begin(job)
-            writer.write((acc[job.name] / used).cpu().contiguous())
+            writer.write(tensor_bytes((acc[job.name] / used).cpu()))
         writer.write_text("fisher.json", json.dumps(meta, indent=2) + "\n")
         writer.finish()
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import torch
-
+from ._torch import torch
 from .blocks import DEFAULT_BLOCK, BlockReader
 from .checkpoint import open_all
 from .errors import ConfigError, RLMergeError, raise_all

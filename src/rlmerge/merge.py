@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import fastgta
-from .blocks import DEFAULT_BLOCK, Block, BlockReader, spans
+from ._torch import torch
+from .blocks import DEFAULT_BLOCK, Block, BlockReader, device_type, spans, tensor_bytes
 from .budget import check_memory, estimate_memory
 from .checkpoint import SIDE_FILES, Checkpoint, open_all
+from .dtypes import BF16, F16, F32, DType, by_name
 from .errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
 from .fastpath import (
     FUSED,
@@ -37,19 +37,17 @@ from .report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
 from .stats import Statistics, check_finite
 from .writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, parse_size, shard_header
 
-DTYPE_ALIASES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-    "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-}
+OUT_DTYPES = (BF16, F16, F32)  # what --dtype may ask for
 
 
-def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
+def parse_dtype(name: str | DType | Any | None) -> DType | None:
+    """'bfloat16', 'bf16', 'fp16', 'float32', … (or a DType, or a torch dtype) → the output DType."""
+    if name is None or isinstance(name, DType):
         return name
-    try:
-        return DTYPE_ALIASES[str(name).lower().removeprefix("torch.")]
-    except KeyError:
-        raise ConfigError(f"unknown dtype {name!r}", hint="use bfloat16, float16 or float32") from None
+    dtype = by_name(str(name))
+    if dtype not in OUT_DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}", hint="use bfloat16, float16 or float32")
+    return dtype
 
 
 @dataclass
@@ -84,6 +82,7 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     spec = get_method(method)
     p = spec.parse(params)  # bad parameters fail before any file is opened
     out_dtype = parse_dtype(dtype)
+    device_type(device)  # an unknown or unusable device fails here, before any file is opened
     shard_bytes = parse_size(shard_size)
     out = Path(output)
     if out.exists() and not force:  # refused now, before any work
@@ -136,7 +135,7 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_byt
     metadata = {"rlmerge_method": spec.name}
     fp = fingerprint([plan.base, *plan.agents, *(extras or [])], {
         "method": spec.name, "params": repr(p), "seed": seed, "recipe": recipe, "metadata": metadata,
-        "device": torch.device(device).type,  # float results may differ between CPU and GPU kernels
+        "device": device_type(device),  # float results may differ between CPU and GPU kernels
         "headers": [shard_header(s, metadata).hex() for s in layout_shards(plan.jobs, shard_bytes)]})
     writer = CheckpointWriter(partial, plan.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp)
     gta = fastgta.build(plan, spec, p, block_size, device, observer, extras, stats.epsilon)
@@ -285,7 +284,7 @@ def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepar
                 else:
                     check_finite(blk.deltas, blk.deltas.sum(1), name=job.name, files=files, start=blk.start)
                 merged = spec.merge(blk.base, blk.deltas, p, _ctx(job, blk, prepared, stats, seed))
-                out.write_now(merged.to(job.out_dtype).cpu())
+                out.write_now(tensor_bytes(merged.to(job.out_dtype.torch).cpu()))
                 bar.advance(blk.n * job.out_dtype.itemsize)
             bar.tensor_done()
         out.drain()

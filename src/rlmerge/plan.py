@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
-from .checkpoint import DTYPE_NAMES, Checkpoint, TensorInfo
+from .checkpoint import Checkpoint, TensorInfo
+from .dtypes import DType
 from .errors import InputError, RLMergeError, raise_all
 
 EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
@@ -25,7 +24,7 @@ class Job:
     name: str
     kind: Literal["merge", "copy"]
     info: TensorInfo  # the base's copy: shape, dtype, where it lives
-    out_dtype: torch.dtype
+    out_dtype: DType
     present: tuple[bool, ...]  # per agent; False only when the user allowed missing tensors
     weight: int = 1  # how many times the statistics count it (2: the authors' tied double count)
 
@@ -117,7 +116,7 @@ def _tying_problems(base: Checkpoint, agent: Checkpoint, plan: Plan) -> list[RLM
     return []
 
 
-def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: torch.dtype | None = None,
+def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | None = None,
                allow_missing: bool = False, count_tied_twice: bool = False) -> Plan:
     """Check every agent against the base and lay out the jobs; raise all problems together."""
     problems: list[RLMergeError] = []
@@ -159,8 +158,8 @@ def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: torch.dtype
                                            f"{list(info.shape)}", file=str(other.file),
                                            tensor=info.name, hint=hint))
             elif info.is_float and not other.is_float:
-                problems.append(InputError(f"agent stores {DTYPE_NAMES[other.dtype]} where the base stores "
-                                           f"{DTYPE_NAMES[info.dtype]}", file=str(other.file),
+                problems.append(InputError(f"agent stores {other.dtype.code} where the base stores "
+                                           f"{info.dtype.code}", file=str(other.file),
                                            tensor=info.name, hint="re-save the agent in a float dtype"))
         kind: Literal["merge", "copy"] = "merge" if info.is_float else "copy"
         out_dtype = dtype if (dtype is not None and info.is_float) else info.dtype
@@ -171,7 +170,7 @@ def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: torch.dtype
         for name in a.tensors:
             if name not in base.tensors:
                 plan.dropped.setdefault(name, []).append(a.label)
-        wider = {(DTYPE_NAMES[a.tensors[j.name].dtype], DTYPE_NAMES[j.info.dtype]) for j in plan.jobs
+        wider = {(a.tensors[j.name].dtype.code, j.info.dtype.code) for j in plan.jobs
                  if j.kind == "merge" and j.name in a.tensors
                  and a.tensors[j.name].dtype.itemsize > j.info.dtype.itemsize}
         for theirs, ours in sorted(wider):

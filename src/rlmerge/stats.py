@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
+from ._torch import torch
 from .errors import InputError
 
 

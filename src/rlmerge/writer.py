@@ -18,9 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .checkpoint import DTYPE_NAMES
 from .errors import ConfigError
 from .partial import PartialDir, disk_error
 from .plan import Job
@@ -75,7 +72,7 @@ def shard_header(shard: Shard, metadata: dict[str, str]) -> bytes:
     entries: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for j in shard.jobs:
-        entries[j.name] = {"dtype": DTYPE_NAMES[j.out_dtype], "shape": list(j.info.shape),
+        entries[j.name] = {"dtype": j.out_dtype.code, "shape": list(j.info.shape),
                            "data_offsets": [offset, offset + j.out_nbytes]}
         offset += j.out_nbytes
     body = json.dumps(entries, separators=(",", ":")).encode()
@@ -163,9 +160,9 @@ class CheckpointWriter:
             self._fh = None
         self.partial.record(shard.filename, path.stat().st_size, self._crc)
 
-    def write(self, data: torch.Tensor | memoryview) -> None:
-        """Append data of the current tensor: a contiguous tensor in the output dtype, or raw bytes."""
-        buf = memoryview(data.contiguous().view(torch.uint8).numpy()) if isinstance(data, torch.Tensor) else data
+    def write(self, data: memoryview) -> None:
+        """Append raw bytes of the current tensor (already in the output dtype)."""
+        buf = data
         if buf.nbytes > self._remaining:
             raise RuntimeError("more data than the tensor holds")
         try:

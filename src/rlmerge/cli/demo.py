@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from ..merge import merge
-from ..synthetic import PAPER_DENSITIES, make_example
 from .console import out
 from .merge import print_result
 
@@ -17,6 +16,8 @@ def demo_command(
     workdir: Annotated[Path, typer.Option(help="where the example models and the merge go")] = Path("demo-output"),
 ) -> None:
     """Merge a built-in example: agents with the paper's densities (3.2 / 46.2 / 54.3 %)."""
+    from ..synthetic import PAPER_DENSITIES, make_example  # torch builds the example: imported when it runs
+
     out.print(f"building a tiny Qwen2 base and 3 agents with densities "
               f"{', '.join(f'{d:.1%}' for d in PAPER_DENSITIES)} in {workdir}/ …")
     base, agents = make_example(workdir / "inputs")

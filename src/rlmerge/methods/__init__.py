@@ -15,8 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
-
+from .._torch import torch
 from ..errors import ConfigError, RLMergeError, raise_all
 from ..stats import Statistics, TensorStats
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
-import torch
+from .._torch import torch
 
 RNG_CHUNK = 1 << 16  # random numbers are drawn per chunk of 65,536 flat elements, aligned at element 0
 

@@ -10,7 +10,8 @@ Memory: N × 32,768 + Q × 65,536 int64 counters, whatever the number of values;
 from __future__ import annotations
 
 import numpy as np
-import torch
+
+from .._torch import torch
 
 HI_BINS = 1 << 15  # high 16 bits of a non-negative float32
 LO_BINS = 1 << 16

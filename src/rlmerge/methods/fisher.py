@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from .._torch import torch
 from ..errors import ConfigError
 from ..stats import Statistics
 from . import BlockContext, MethodSpec, check_range
@@ -52,7 +51,7 @@ class FisherNorms:
 
 def _prepare(params: FisherParams, stats: Statistics | None, n: int) -> torch.Tensor:
     """The coefficients c_t [N]."""
-    w = agent_weights("fisher", params.weights, n).double()
+    w = torch.from_numpy(agent_weights("fisher", params.weights, n)).double()
     obs = getattr(stats, "observed", None)
     if params.normalize and obs is not None:
         norms = obs.sumsq.sqrt()

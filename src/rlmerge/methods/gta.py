@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-import torch
 
+from .._torch import torch
 from ..errors import ConfigError
 from ..stats import Statistics
 from . import BlockContext, MethodSpec, check_range
@@ -330,7 +330,7 @@ def _merge(preset: Preset, base: torch.Tensor, deltas: torch.Tensor, params: Any
            ctx: BlockContext) -> torch.Tensor:
     obs: GtaObserver = ctx.prepared
     n = deltas.shape[0]
-    w = agent_weights(preset.summary.split(":")[0], params.weights, n).to(deltas.device)
+    w = torch.from_numpy(agent_weights(preset.summary.split(":")[0], params.weights, n)).to(deltas.device)
     pruned, prob = prune_block(preset, obs, deltas, ctx)
     rescale = getattr(params, "rescale", "none")
     if rescale == "inverse" and prob is not None:

@@ -15,8 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
+from .._torch import torch
 from ..errors import ConfigError
 from . import BlockContext, MethodSpec
 

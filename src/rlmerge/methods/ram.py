@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import torch
 
+from .._torch import torch
 from ..errors import ConfigError
 from ..stats import Statistics, overlap_ratio
 from . import BlockContext, MethodSpec, check_range

@@ -15,8 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
-
+from .._torch import torch
 from ..errors import ConfigError
 from ..stats import Statistics
 from . import BlockContext, MethodSpec, check_range

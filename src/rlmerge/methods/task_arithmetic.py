@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
+from .._torch import torch
 from ..errors import ConfigError
 from . import BlockContext, MethodSpec, check_range
 
@@ -21,14 +22,14 @@ def _check_weights(where: str, weights: tuple[float, ...] | None) -> None:
         check_range(where, "weight", w, -10.0, 10.0)
 
 
-def agent_weights(where: str, weights: tuple[float, ...] | None, n: int) -> torch.Tensor:
+def agent_weights(where: str, weights: tuple[float, ...] | None, n: int) -> np.ndarray:
     """[N] float32 weights; all 1 when not given."""
     if weights is None:
-        return torch.ones(n, dtype=torch.float32)
+        return np.ones(n, dtype=np.float32)
     if len(weights) != n:
         raise ConfigError(f"{where}: {len(weights)} weight(s) given for {n} agent(s)",
                           hint="give one weight per agent, in the order the agents are listed")
-    return torch.tensor(weights, dtype=torch.float32)
+    return np.array(weights, dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,14 @@ def weighted_sum(deltas: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _divisor(where: str, w: torch.Tensor) -> torch.Tensor:
-    s = w.sum()
-    if float(s) == 0.0:
+def weight_sum(w: np.ndarray) -> np.float32:
+    """Σ w_t as torch sums a float32 tensor on the CPU: accumulated in float64, rounded once to float32."""
+    return np.float32(np.sum(w, dtype=np.float64))
+
+
+def _divisor(where: str, w: np.ndarray) -> np.float32:
+    s = weight_sum(w)
+    if s == 0.0:
         raise ConfigError(f"{where}: weights sum to zero, cannot normalize", hint="set normalize to false")
     return s
 
@@ -73,19 +79,20 @@ def _divisor(where: str, w: torch.Tensor) -> torch.Tensor:
 def _merge_ta(base: torch.Tensor, deltas: torch.Tensor, params: TaskArithmeticParams,
               ctx: BlockContext) -> torch.Tensor:
     w = agent_weights("task_arithmetic", params.weights, deltas.shape[0])
-    mixed = weighted_sum(deltas, w)
+    mixed = weighted_sum(deltas, torch.from_numpy(w).to(deltas.device))
     if params.normalize:
-        mixed /= _divisor("task_arithmetic", w)
+        mixed /= torch.tensor(_divisor("task_arithmetic", w), device=deltas.device)
     return base + mixed * params.scaling
 
 
 def _merge_linear(base: torch.Tensor, deltas: torch.Tensor, params: LinearParams,
                   ctx: BlockContext) -> torch.Tensor:
-    w = agent_weights("linear", params.weights, deltas.shape[0])
+    w_np = agent_weights("linear", params.weights, deltas.shape[0])
+    w = torch.from_numpy(w_np).to(deltas.device)
     total = (base + deltas[0]) * w[0]  # base + τ_t recovers θ_t exactly for same-dtype checkpoints
     for t in range(1, deltas.shape[0]):
         total += (base + deltas[t]) * w[t]
-    return total / _divisor("linear", w) if params.normalize else total
+    return total / torch.tensor(_divisor("linear", w_np), device=deltas.device) if params.normalize else total
 
 
 METHODS = [

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import __version__
-from ..checkpoint import DTYPE_NAMES
 from ..methods.ram import RamPlusParams, rescale_factor
 from ..stats import MAG_SHIFT, Magnitudes, Statistics, bin_lower_edge, hist_quantiles
 from .advice import recommend
@@ -59,13 +58,13 @@ def dtype_facts(plan: Plan) -> DtypeFacts:
     agents: list[dict[str, int]] = [{} for _ in plan.agents]
     differs = [0] * len(plan.agents)
     for job in plan.merge_jobs:
-        name = DTYPE_NAMES[job.info.dtype]
+        name = job.info.dtype.code
         base[name] = base.get(name, 0) + job.numel
         for t, agent in enumerate(plan.agents):
             info = agent.tensors.get(job.name)
             if info is None:
                 continue
-            theirs = DTYPE_NAMES[info.dtype]
+            theirs = info.dtype.code
             agents[t][theirs] = agents[t].get(theirs, 0) + job.numel
             differs[t] += job.numel if info.dtype != job.info.dtype else 0
     return DtypeFacts(base, agents, differs)
