@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import rlmerge
@@ -112,11 +113,15 @@ def test_merge_report_matches_inspect(example, tmp_path: Path) -> None:
         merged = json.loads((out / REPORT_FILE).read_text())
         assert not merged["extras"] and merged["precision"] is None
         for a, b in zip(doc["per_agent"], merged["per_agent"]):
-            for key in ("changed", "kofn", "unique", "shared", "rho", "ram_plus", "norm", "ram_plus_tensor_local"):
+            for key in ("changed", "kofn", "unique", "shared", "rho", "ram_plus", "ram_plus_tensor_local"):
                 assert a[key] == b[key], key
+            # inspect sums squares in float64 (torch path), the fused merge kernel in float32 tiles (kernels.py)
+            assert b["norm"] == pytest.approx(a["norm"], rel=1e-6)
             assert b["density_at"] is None and b["magnitude_quantiles"] is None
         assert merged["layers"] == doc["layers"] and merged["modules"] == doc["modules"]
-        assert merged["pairwise"] == doc["pairwise"]
+        np.testing.assert_allclose(merged["pairwise"]["cosine"], doc["pairwise"]["cosine"], rtol=1e-6)
+        assert {k: v for k, v in merged["pairwise"].items() if k != "cosine"} == \
+            {k: v for k, v in doc["pairwise"].items() if k != "cosine"}
         card = (out / "README.md").read_text()
         assert "## Task-vector anatomy" in card and "### RAM+ ρ and λ by preset" in card
         assert f"**Recommendation:** {doc['recommendation']['summary']}" in card

@@ -103,7 +103,7 @@ class GtaFast:
         self.obs.begin_tensor(jobs[0].name, jobs[0].numel)
         statistics_pass_fast(self.fast, jobs, stats, bar, also=self._count)  # round 0 with the counts
         if self._end_round(None):
-            for job, start, _stop, _slot, base, agents in self.fast.blocks(jobs):
+            for job, start, _stop, _slot, base, agents in self.fast.blocks(jobs, stacked=True):
                 self._count(job, start, base, agents)
             self._end_round(None)
 

@@ -26,13 +26,15 @@ from . import kernels
 from ._torch import torch
 from .blocks import device_type
 from .dtypes import BF16, F32, DType
+from .mapping import DONTNEED, WILLNEED, Mapped
 from .methods import MethodSpec
 from .plan import Job, Plan
 from .stats import Statistics, TensorStats, check_finite
 
 STORED = {BF16: np.uint16, F32: np.float32}  # dtypes the kernels decode and encode
-FUSED = {"ram": kernels.MODE_RAM, "ram+": kernels.MODE_RAM, "task_arithmetic": kernels.MODE_TA,
-         "linear": kernels.MODE_LINEAR}
+FUSED = {"ram": kernels.MODE_RAM, "ram+": kernels.MODE_RAMPLUS, "task_arithmetic": kernels.MODE_TA,
+         "linear": kernels.MODE_LINEAR, "model_stock": kernels.MODE_STOCK}
+EXACT_GRAM = {"model_stock"}  # methods that merge with the Gram matrix: float64 products (see kernels.py)
 
 
 def enabled(device: str) -> bool:
@@ -54,11 +56,10 @@ class KernelArgs:
 
     mode: int
     eps: np.float32
-    lam: np.ndarray  # [N] float32
-    use_lam: bool
+    lam: np.ndarray  # [N] float32, RAM+'s λ (MODE_RAMPLUS)
     w: np.ndarray  # [N] float32
     normalize: bool
-    div: np.float32
+    div: np.float32  # 1 when not normalising
     scaling: np.float32
 
 
@@ -79,14 +80,19 @@ def kernel_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None,
             lam = [rescale_factor(p, int(s), int(u)) for s, u in zip(ts.shared, ts.unique)]
         else:
             lam = list(prepared.lambdas)
-        return KernelArgs(mode, np.float32(p.epsilon), np.array(lam, dtype=np.float32), True, ones, False, one, one)
+        return KernelArgs(mode, np.float32(p.epsilon), np.array(lam, dtype=np.float32), ones, False, one, one)
     if spec.name == "ram":
-        return KernelArgs(mode, np.float32(p.epsilon), ones, False, ones, False, one, one)
+        return KernelArgs(mode, np.float32(p.epsilon), ones, ones, False, one, one)
+    if spec.name == "model_stock":
+        from .methods.model_stock import tensor_t
+
+        assert ts is not None  # the statistics pass ran (model_stock needs it)
+        return KernelArgs(mode, np.float32(eps), ones, ones, True, np.float32(n), tensor_t(ts.dots, n))
     where = spec.name
     w = agent_weights(where, p.weights, n)
     div = _divisor(where, w) if p.normalize else one
     scaling = np.float32(getattr(p, "scaling", 1.0))
-    return KernelArgs(mode, np.float32(eps), ones, False, w, bool(p.normalize), div, scaling)
+    return KernelArgs(mode, np.float32(eps), ones, w, bool(p.normalize), div, scaling)
 
 
 def eligible(plan: Plan, job: Job) -> bool:
@@ -147,18 +153,23 @@ class _WriteQueue:
 class FastPath:
     """Runs the fused kernels over the eligible jobs of a plan; see the module docstring."""
 
-    def __init__(self, plan: Plan, block_size: int) -> None:
+    def __init__(self, plan: Plan, block_size: int, *, exact_gram: bool = False) -> None:
         self.plan = plan
-        self.block = max(1, min(block_size, max((j.numel for j in plan.merge_jobs), default=1)))
+        self.exact_gram = exact_gram
+        # a whole number of the kernels' tiles: tiles then sit at the same offsets of a tensor whatever the
+        # block size and the number of threads, and so do the statistics' float32 partial sums (kernels.py)
+        block = -(-block_size // kernels.TILE) * kernels.TILE
+        self.block = max(1, min(block, max((j.numel for j in plan.merge_jobs), default=1)))
         n = len(plan.agents)
         self.slots = [_Slot(n, self.block) for _ in range(2)]
         self.threads = compute_threads()
-        self.hist = np.zeros((self.threads, 4**n), dtype=np.int64)  # one row per compute thread
+        self.hist = np.zeros((self.threads, *kernels.hist_shape(n)), dtype=np.int64)  # per compute thread
         self.gram = np.zeros((self.threads, n, n), dtype=np.float64)
         self._dummy_out = np.empty(1, dtype=np.float32)
         for m in (plan.base, *plan.agents):  # open every file here, before the reader thread reads
             for f in m.files:
                 m.handle(f)
+        self.mapped = Mapped()
         self._compute = ThreadPoolExecutor(self.threads, thread_name_prefix="rlmerge-compute")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="rlmerge-read")
         self._writer = _WriteQueue()
@@ -169,9 +180,11 @@ class FastPath:
         self._compute.shutdown(wait=True, cancel_futures=True)
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._writer.close(abort=abort)
+        self.mapped.close()
 
     # -- reading ---------------------------------------------------------------------------------------
     def _read(self, slot: _Slot, job: Job, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """A copy of the block in ``slot``: base [n], agents [N, n] (read-only, like the mapped views)."""
         n = stop - start
         bdt = STORED[job.info.dtype]
         adt = STORED[self.plan.agents[0].tensors[job.name].dtype]
@@ -181,60 +194,89 @@ class FastPath:
         agents = slot.agents[: len(self.plan.agents) * n * size]
         for t, a in enumerate(self.plan.agents):
             a.read_into(job.name, start, stop, memoryview(agents[t * n * size:(t + 1) * n * size]))
-        return base.view(bdt), agents.view(adt).reshape(len(self.plan.agents), n)
+        base, agents = base.view(bdt), agents.view(adt).reshape(len(self.plan.agents), n)
+        base.flags.writeable = agents.flags.writeable = False  # one kernel signature for copies and views
+        return base, agents
 
-    def blocks(self, jobs: list[Job], passes: Callable[[Job], int] | None = None,
-               ) -> Iterator[tuple[Job, int, int, _Slot, np.ndarray, np.ndarray]]:
-        """Every block of ``jobs`` in order (each job's blocks ``passes(job)`` times over), each read while the
-        previous one is being computed."""
+    def _views(self, job: Job, start: int, stop: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]] | None:
+        """The block viewed in the mapped files, or None when some tensor cannot be viewed in place."""
+        models = (self.plan.base, *self.plan.agents)
+        views = [self.mapped.view(m, job.name, start, stop) for m in models]
+        if any(v is None for v in views):
+            return None
+        return views[0], tuple(views[1:])  # type: ignore[return-value]
+
+    def _advise(self, job: Job, start: int, stop: int, advice: int) -> None:
+        if advice:
+            for m in (self.plan.base, *self.plan.agents):
+                self.mapped.advise(m, job.name, start, stop, advice)
+
+    def blocks(self, jobs: list[Job], passes: Callable[[Job], int] | None = None, *, stacked: bool = False,
+               ) -> Iterator[tuple[Job, int, int, _Slot, np.ndarray, Any]]:
+        """Every block of ``jobs`` in order (each job's blocks ``passes(job)`` times over).
+
+        A block's agents come as a tuple of [n] views of the mapped files (``stacked``: one [N, n] copy, for
+        kernels that take a 2-D array); a tensor that cannot be viewed in place is copied into a slot by
+        the reader thread while the previous block is computed. The next block's pages are requested ahead,
+        a finished block's pages are released.
+        """
         spans = [(j, s, min(s + self.block, j.numel)) for j in jobs for _ in range(passes(j) if passes else 1)
                  for s in range(0, j.numel, self.block)]
         pending: Future[tuple[np.ndarray, np.ndarray]] | None = None
         for k, (job, start, stop) in enumerate(spans):
             slot = self.slots[k % 2]
-            if pending is None:
-                pending = self._reader.submit(self._read, slot, job, start, stop)
-            base, agents = pending.result()
+            if slot.written is not None:  # its output buffer must be written before it is reused
+                slot.written.result()
+            views = None if stacked or pending is not None else self._views(job, start, stop)
+            if views is None:
+                if pending is None:
+                    pending = self._reader.submit(self._read, slot, job, start, stop)
+                base, agents = pending.result()
+                views = (base, agents if stacked else tuple(agents))
             pending = None
             if k + 1 < len(spans):
-                nxt = self.slots[(k + 1) % 2]
-                if nxt.written is not None:  # its output must be on disk before the slot is reused
-                    nxt.written.result()
-                pending = self._reader.submit(self._read, nxt, *spans[k + 1])
-            yield job, start, stop, slot, base, agents
+                nxt = spans[k + 1]
+                self._advise(*nxt, WILLNEED)
+                if stacked or self._views(*nxt) is None:  # a copy: read it while this block is computed
+                    pending = self._reader.submit(self._read, self.slots[(k + 1) % 2], *nxt)
+            yield job, start, stop, slot, views[0], views[1]
+            self._advise(job, start, stop, DONTNEED)
 
     # -- computing -------------------------------------------------------------------------------------
     def run(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, args: KernelArgs,
             out: np.ndarray | None, ts: TensorStats | None) -> None:
-        """The fused kernel on one block; statistics into ``ts`` when given."""
+        """The fused kernel on one block; statistics into ``ts`` when given (which also checks every τ)."""
         n = base.shape[0]
         if ts is not None:
             self.hist[:] = 0
             self.gram[:] = 0.0
         mode = args.mode if out is not None else kernels.MODE_STATS
         dest = out if out is not None else self._dummy_out
+        rows = tuple(agents)  # the kernel takes one array per agent: N is then part of its type
         bad = self.parallel(n, lambda k, lo, hi: kernels.fused_range(
-            base, agents, lo, hi, args.eps, mode, args.lam, args.use_lam, args.w, args.normalize, args.div,
-            args.scaling, dest, ts is not None, self.hist[k], self.gram[k]))
+            mode, base, rows, lo, hi, args.eps, args.lam, args.w, args.normalize, args.div, args.scaling, dest,
+            self.hist[k] if ts is not None else None, self.gram[k] if ts is not None else None, self.exact_gram))
         if any(bad):
             self.raise_non_finite(job, start, base, agents)
         if ts is not None:
-            ts.add_patterns(self.hist.sum(0), self.gram.sum(0))
+            ts.add_patterns(self.hist.sum(axis=(0, 1)), self.gram.sum(0))
 
     def parallel(self, n: int, fn: Callable[[int, int, int], Any]) -> list[Any]:
         """``fn(k, lo, hi)`` on one slice [lo, hi) of [0, n) per compute thread k; the kernels release the GIL."""
-        step = -(-n // self.threads)
+        # slices start at multiples of the kernels' tile: the tiles, and so the statistics' float32 partial
+        # sums, are the same whatever the number of threads
+        step = -(-n // self.threads // kernels.TILE) * kernels.TILE if n > kernels.TILE else n
         parts = [(k, min(n, k * step), min(n, (k + 1) * step)) for k in range(self.threads)]
         if self.threads == 1:
             return [fn(*parts[0])]
         return list(self._compute.map(lambda a: fn(*a), parts))
 
-    def raise_non_finite(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray) -> None:
+    def raise_non_finite(self, job: Job, start: int, base: np.ndarray, agents: Any) -> None:
         def f32(a: np.ndarray, dtype: DType) -> torch.Tensor:
-            return torch.from_numpy(a.copy()).view(dtype.torch).float()
+            return torch.from_numpy(np.array(a)).view(dtype.torch).float()
 
         b = f32(base, job.info.dtype)
-        deltas = f32(agents, self.plan.agents[0].tensors[job.name].dtype) - b
+        deltas = f32(np.stack(agents), self.plan.agents[0].tensors[job.name].dtype) - b
         files = [str(a.tensors[job.name].file) for a in self.plan.agents]
         check_finite(deltas, torch.tensor([float("nan")]), name=job.name, files=files, start=start)
 
@@ -261,14 +303,15 @@ class FastPath:
 def stats_args(n_agents: int, eps: float) -> KernelArgs:
     ones = np.ones(n_agents, dtype=np.float32)
     one = np.float32(1.0)
-    return KernelArgs(kernels.MODE_STATS, np.float32(eps), ones, False, ones, False, one, one)
+    return KernelArgs(kernels.MODE_STATS, np.float32(eps), ones, ones, False, one, one)
 
 
 def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar: Any,
                          also: Callable[[Job, int, np.ndarray, np.ndarray], None] | None = None) -> None:
-    """The statistics of ``jobs`` (all eligible) through the fused kernel; ``also`` sees every block too."""
+    """The statistics of ``jobs`` (all eligible) through the fused kernel; ``also`` sees every block too (as
+    one [N, n] array)."""
     args = stats_args(len(fast.plan.agents), stats.epsilon)
-    for job, start, stop, _slot, base, agents in fast.blocks(jobs):
+    for job, start, stop, _slot, base, agents in fast.blocks(jobs, stacked=also is not None):
         fast.run(job, start, base, agents, args, None, stats.for_tensor(job.name, job.numel, job.weight))
         if also is not None:
             also(job, start, base, agents)

@@ -19,6 +19,7 @@ from .checkpoint import SIDE_FILES, Checkpoint, open_all
 from .dtypes import BF16, F16, F32, DType, by_name
 from .errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
 from .fastpath import (
+    EXACT_GRAM,
     FUSED,
     FastPath,
     OrderedWriter,
@@ -174,7 +175,9 @@ def _fast_path(plan: Plan, spec: MethodSpec, p: Any, block_size: int, device: st
     """The fused-kernel path (fastpath.py) when numba is installed and the method has a fused kernel."""
     if not enabled(device) or spec.name not in FUSED or observer is not None or extras or spec.row_blocks(p):
         return None
-    return FastPath(plan, block_size) if any(eligible(plan, j) for j in plan.jobs) else None
+    if not any(eligible(plan, j) for j in plan.jobs):
+        return None
+    return FastPath(plan, block_size, exact_gram=spec.name in EXACT_GRAM)
 
 
 @contextlib.contextmanager
@@ -254,7 +257,8 @@ def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepar
     fast = fast if not stats.thresholds else None
     fast_jobs = [j for j in pending if eligible(plan, j)] if fast is not None else []
     passes = gta.passes if gta is not None else None  # TIES reads a large tensor 3 times (2 selection rounds)
-    fast_blocks = fast.blocks(list(fast_jobs), passes) if fast is not None else iter(())
+    # the TIES kernels take the agents as one [N, n] array
+    fast_blocks = fast.blocks(list(fast_jobs), passes, stacked=gta is not None) if fast is not None else iter(())
     out = OrderedWriter(writer, fast)  # fast path: writes queued on a writer thread, in plan order
     with progress.task("merge", total=sum(j.out_nbytes for j in pending), tensors=len(pending)) as bar:
         for job in pending:

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.progress import Progress as RichProgress
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress
 
 
 class Bar:
@@ -36,7 +29,11 @@ class Progress:
 
     def __init__(self, *, quiet: bool) -> None:
         self._rich: RichProgress | None = None
-        if not quiet:
+        if not quiet:  # rich is imported only for bars (a script's quiet merge does not pay for it)
+            from rich.console import Console
+            from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+            from rich.progress import Progress as RichProgress
+
             self._rich = RichProgress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                                       TransferSpeedColumn(), TimeRemainingColumn(),
                                       console=Console(stderr=True), transient=False)

@@ -8,10 +8,13 @@ so an interrupted run never leaves a folder that looks like a finished model.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 import re
 import shutil
+import sys
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,8 +26,35 @@ from .partial import PartialDir, disk_error
 from .plan import Job
 
 DEFAULT_SHARD_SIZE = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+WRITEBACK_CHUNK = 32 << 20  # bytes: how often the disk is asked to start writing what is buffered
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    """libc's sync_file_range (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the disk to start writing [offset, offset + nbytes) of ``fd`` now, without waiting.
+
+    A shard is fsynced when it is complete; without this, the kernel would hold the whole shard in the page
+    cache until then and the fsync would wait for all of it (1 GB: ~1.5 s on the benchmark machine) after
+    the last block was computed. Started early, the disk writes while the merge computes. Linux only;
+    elsewhere the fsync does it all.
+    """
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE: initiate write-out of dirty pages, do not wait
 
 
 def parse_size(text: str | int) -> int:
@@ -102,6 +132,8 @@ class CheckpointWriter:
         self._shard_i = -1
         self._fh: Any = None
         self._crc = 0  # CRC-32 of the current shard so far
+        self._written = 0  # bytes of the current shard written so far …
+        self._flushed = 0  # … and of those, handed to the disk (writeback started)
         self._remaining = 0  # bytes still owed to the current tensor
 
     def __enter__(self) -> CheckpointWriter:
@@ -142,6 +174,7 @@ class CheckpointWriter:
         except OSError as e:
             raise disk_error(e, path) from e
         self._crc = zlib.crc32(header)
+        self._written, self._flushed = len(header), 0
         self._shard_i = i
 
     def _close_shard(self) -> None:
@@ -171,6 +204,11 @@ class CheckpointWriter:
             raise disk_error(e, self.tmp / self.shards[self._shard_i].filename) from e
         self._crc = zlib.crc32(buf, self._crc)
         self._remaining -= buf.nbytes
+        self._written += buf.nbytes
+        if self._written - self._flushed >= WRITEBACK_CHUNK:
+            self._fh.flush()
+            start_writeback(self._fh.fileno(), self._flushed, self._written - self._flushed)
+            self._flushed = self._written
 
     # -- side files and the final rename ---------------------------------------------------------------
     def write_text(self, name: str, text: str) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from .._torch import torch
 from ..errors import ConfigError
 from . import BlockContext, MethodSpec
@@ -25,22 +27,27 @@ class ModelStockParams:
     filter_wise: bool = False  # one t per row (output filter) instead of per tensor
 
 
-def interpolation(cos: torch.Tensor, n: int) -> torch.Tensor:
+def interpolation(cos: np.ndarray, n: int) -> np.ndarray:
     """t from the mean pairwise cosine; 0 at the singularity (the base is kept there), as mergekit."""
     den = 1 + (n - 1) * cos
-    singular = den.abs() < 1e-6
-    return torch.where(singular, torch.zeros_like(cos), n * cos / torch.where(singular, 1.0, den))
+    singular = np.abs(den) < 1e-6
+    return np.where(singular, 0.0, n * cos / np.where(singular, 1.0, den))
 
 
-def _mean_cos(dots: torch.Tensor) -> torch.Tensor:
-    """dots [N, N, ...] Gram entries → mean pairwise cosine [...]."""
+def _mean_cos(dots: np.ndarray) -> np.ndarray:
+    """dots [N, N, ...] float64 Gram entries → mean pairwise cosine [...], pairs in order, as mergekit."""
     n = dots.shape[0]
-    cos = []
+    total = np.zeros(dots.shape[2:])
     for a in range(n):
         for b in range(a + 1, n):
-            norm = (dots[a, a].sqrt() * dots[b, b].sqrt()).clamp(min=1e-6)
-            cos.append((dots[a, b] / norm).clamp(-1, 1))
-    return torch.stack(cos).mean(0)
+            norm = np.maximum(np.sqrt(dots[a, a]) * np.sqrt(dots[b, b]), 1e-6)
+            total = total + np.clip(dots[a, b] / norm, -1, 1)
+    return total / (n * (n - 1) // 2)
+
+
+def tensor_t(dots: np.ndarray, n: int) -> np.float32:
+    """One tensor's t (float32) from its Gram matrix: the same number on the torch path and the fast path."""
+    return np.float32(interpolation(_mean_cos(dots), n))
 
 
 def _merge(base: torch.Tensor, deltas: torch.Tensor, params: ModelStockParams, ctx: BlockContext) -> torch.Tensor:
@@ -48,13 +55,14 @@ def _merge(base: torch.Tensor, deltas: torch.Tensor, params: ModelStockParams, c
     if params.filter_wise:  # row-aligned blocks; a 1-D tensor is one row, as mergekit's unsqueeze(0)
         row = _row(ctx.shape)
         rows = deltas.reshape(n, -1, row).double()  # [N, rows, row]
-        t = interpolation(_mean_cos(torch.einsum("arc,brc->abr", rows, rows)), n).float()  # [rows]
+        dots = torch.einsum("arc,brc->abr", rows, rows).cpu().numpy()  # [N, N, rows]
+        t = torch.from_numpy(interpolation(_mean_cos(dots), n)).float().to(base.device)  # [rows]
         t = t.repeat_interleave(row)
     else:
         ts = ctx.tensor_stats
         if ts is None:
             raise RuntimeError("model_stock ran without its statistics pass")
-        t = interpolation(_mean_cos(torch.from_numpy(ts.dots)), n).float().to(base.device)
+        t = torch.tensor(tensor_t(ts.dots, n), device=base.device)
     total = base + deltas[0]
     for k in range(1, n):
         total += base + deltas[k]

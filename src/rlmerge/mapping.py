@@ -1,0 +1,78 @@
+"""Blocks of stored elements as numpy views of the file's pages: the fast path reads without copying.
+
+Each safetensors input file is mapped once, read-only. A block is a view into the mapping, so the fused
+kernel reads the page cache directly instead of a copy ``preadv`` made first (on the benchmark machine the copy
+cost 0.6 s of a core per 4 GB pass, a third of a whole merge). Pages of a finished block are handed back
+(``MADV_DONTNEED``), so the resident set stays bounded by the blocks in flight and never grows with the model;
+the next block is announced (``MADV_WILLNEED``) so that the kernel reads it from disk in the background when
+it is not cached.
+
+A file that shrinks under a mapping would kill the process with SIGBUS instead of raising an error; each
+view checks the file's size first, which turns the usual case (a file replaced or truncated before its block
+is read) into an ``InputError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import Checkpoint, TensorInfo
+from .errors import InputError
+
+PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+class Mapped:
+    """The read-only mappings of some checkpoints' files, opened on first use."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, tuple[mmap.mmap, int]] = {}  # file → (mapping, size when mapped)
+
+    def _map(self, ckpt: Checkpoint, file: Path) -> tuple[mmap.mmap, int]:
+        got = self._maps.get(file)
+        if got is None:
+            fd = ckpt.handle(file).fileno()
+            size = os.fstat(fd).st_size
+            got = self._maps[file] = (mmap.mmap(fd, size, access=mmap.ACCESS_READ), size)
+        return got
+
+    def view(self, ckpt: Checkpoint, name: str, start: int, stop: int) -> np.ndarray | None:
+        """Stored elements [start, stop) of ``name``, viewed in place; None when they cannot be (not a
+        safetensors file, or bytes not aligned to the dtype: the caller reads a copy instead)."""
+        info = ckpt.tensors[name]
+        size = info.dtype.itemsize
+        lo = info.offset + start * size
+        if ckpt.format != "safetensors" or lo % size or stop <= start:
+            return None
+        mm, mapped_size = self._map(ckpt, info.file)
+        if os.fstat(ckpt.handle(info.file).fileno()).st_size < mapped_size:
+            raise InputError("the file shrank while merging", file=str(info.file), tensor=name,
+                             hint="another program changed it; let it finish, then merge again")
+        return np.frombuffer(mm, dtype=info.dtype.np_storage, count=stop - start, offset=lo)
+
+    def advise(self, ckpt: Checkpoint, name: str, start: int, stop: int, advice: int) -> None:
+        """madvise the pages of elements [start, stop) of ``name`` (whole pages inside the mapping)."""
+        info: TensorInfo = ckpt.tensors[name]
+        got = self._maps.get(info.file)
+        if got is None or not hasattr(got[0], "madvise"):
+            return
+        lo = (info.offset + start * info.dtype.itemsize) // PAGE * PAGE
+        hi = min(got[1], info.offset + stop * info.dtype.itemsize)
+        if hi > lo:
+            with contextlib.suppress(OSError):  # advice only
+                got[0].madvise(advice, lo, hi - lo)
+
+    def close(self) -> None:
+        for mm, _ in self._maps.values():
+            with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
+                mm.close()
+        self._maps.clear()
+
+
+WILLNEED = getattr(mmap, "MADV_WILLNEED", 0)
+DONTNEED = getattr(mmap, "MADV_DONTNEED", 0)
