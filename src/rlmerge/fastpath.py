@@ -219,6 +219,12 @@ class FastPath:
             return [fn(*parts[0])]
         return list(self._compute.map(lambda a: fn(*a), parts))
 
+    def run_parts(self, parts: list[tuple[int, int]], fn: Callable[[int, int], Any]) -> list[Any]:
+        """``fn(lo, hi)`` on the compute threads, one call per given slice (fastdare cuts at chunk boundaries)."""
+        if len(parts) == 1:
+            return [fn(*parts[0])]
+        return list(self._compute.map(lambda a: fn(*a), parts))
+
     def raise_non_finite(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray) -> None:
         def f32(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(a.copy()).view(dtype).float()
