@@ -78,18 +78,14 @@ def combine_tile(wtd, b32, lo, m, w, elect, normalize, div, scaling, apply_scali
                 sgn[j] += wtd[t, j]
         for j in range(m):
             sgn[j] = one if sgn[j] >= zero else -one
-        for t in range(n_agents):
+        for t in range(n_agents):  # agent 0 assigns (0 + v would turn a −0 into +0), the others add
             wt = w[t]
             for j in range(m):
                 v = wtd[t, j]
-                keep = (v > zero and sgn[j] > zero) or (v < zero and sgn[j] < zero)
-                mt = one if keep else zero
-                if t == 0:
-                    total[j] = v * mt
-                    den[j] = wt * mt
-                else:
-                    total[j] += v * mt
-                    den[j] += wt * mt
+                s = sgn[j]
+                mt = one if ((v > zero) & (s > zero)) | ((v < zero) & (s < zero)) else zero  # no branch
+                total[j] = v * mt if t == 0 else total[j] + v * mt
+                den[j] = wt * mt if t == 0 else den[j] + wt * mt
         if normalize:  # disjoint mean; no agent kept divides by 1
             for j in range(m):
                 total[j] = total[j] / (one if den[j] == zero else den[j])

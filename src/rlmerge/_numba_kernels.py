@@ -78,15 +78,18 @@ def _tile(base, agents, lo, m, eps, mode, lam, use_lam, w, normalize, div, scali
         code[j] = 0
         total[j] = zero
         uniq[j] = zero
+    none = np.int32(0)
     for t in range(n_agents):
         lt = lam[t]
+        changed, negative = np.int32(1 << t), np.int32(1 << (n_agents + t))
         for j in range(m):
             x = _dec(agents[t, lo + j]) - b32[j]
             tau[t, j] = x
             bad |= not np.isfinite(x)
             act = abs(x) > eps
             cnt[j] += np.int32(act)
-            code[j] |= (np.int32(act) << t) | (np.int32(act and x < zero) << (n_agents + t))
+            # selects of constant bits, not int32 << int64 shifts: the loop vectorises (measured 1.7x)
+            code[j] = code[j] | (changed if act else none) | (negative if (act & (x < zero)) else none)
             # agent order, as ram_kernel; +0 for an inactive agent changes no sum that has a nonzero term
             total[j] += x if act else zero
             uniq[j] += x * lt if act else zero
