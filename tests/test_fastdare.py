@@ -21,6 +21,7 @@ from rlmerge.methods import _l1, _ops
 from rlmerge.methods._ops import chunk_seed, uniform
 from rlmerge.synthetic import Shape, make_example
 from test_fastpath import _edge_models, _same_bytes
+from test_interrupt_resume import _files, _Interrupt, _shards_done
 
 pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed: no fast path to test")
 
@@ -266,6 +267,25 @@ def test_missing_tensor_takes_the_torch_path(example, tmp_path: Path, monkeypatc
                       allow_missing=True)
     assert not calls
     _same_bytes(tmp_path / "0", tmp_path / "1")
+
+
+def test_resume_is_byte_identical(example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupted fast dare_ties (l1) merge resumed with another block size gives the torch path's folder."""
+    base, agents = example
+    kw = {"method": "dare_ties", "params": {"density": 0.4, "rescale": "l1"}, "shard_size": "16KB", "seed": 3}
+    monkeypatch.setenv("RLMERGE_FAST", "0")
+    rlmerge.merge(base, agents, tmp_path / "ref", **kw, block_size=300)
+    monkeypatch.setenv("RLMERGE_FAST", "1")
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        _Interrupt(m, 2, KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            rlmerge.merge(base, agents, out, **kw, block_size=300)
+    assert _shards_done(out) == 2
+    calls, real = [], fastdare.merge_range
+    monkeypatch.setattr(fastdare, "merge_range", lambda *a: calls.append(1) or real(*a))
+    rlmerge.merge(base, agents, out, **kw, block_size=1000, resume=True)
+    assert calls and _files(out) == _files(tmp_path / "ref")
 
 
 def test_non_finite_delta_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -143,7 +143,8 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_byt
            or fastdare.build(plan, spec, p, block_size, device, extras, stats.epsilon, seed))
     fast = gta.fast if gta is not None else _fast_path(plan, spec, p, block_size, device, observer, extras)
     with Progress(quiet=quiet) as progress, writer, _closing(fast):
-        # The fast TIES path finds per-tensor thresholds inside the merge pass; a whole-model one needs a pass.
+        # The fast TIES / DARE paths find per-tensor thresholds and L1 sums inside the merge pass; a whole-model
+        # threshold needs a pass.
         needs_stats = spec.needs_stats(p) or (observer is not None and (gta is None or gta.whole_model))
         # A resumed run skips the kept shards' tensors in the merge pass, so it gathers the statistics
         # (for the report, and for RAM+'s ρ) in a statistics pass over the whole model first.
