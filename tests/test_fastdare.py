@@ -141,24 +141,30 @@ def _reference_sum(v: np.ndarray) -> float:
     return total
 
 
-def test_l1_sums_follow_the_documented_order() -> None:
-    """LaneSum (torch path) and the L1 kernel + fold (fast path) give the reference order's float64 sums, for
-    any block size; magnitudes spread over 40 decades make every other order give other bits."""
+def test_l1_sums_follow_the_documented_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LaneSum (torch path, whole chunks GROUP at a time) and the L1 kernel + fold (fast path) give the
+    reference order's float64 sums, for any block size; magnitudes spread over 40 decades make every other
+    order give other bits."""
     from rlmerge._numba_dare import fold, l1_range
 
     assert _l1.CHUNK == _ops.RNG_CHUNK == CHUNK
     rng = np.random.default_rng(0)
-    numel, name, seed = 2 * CHUNK + 3001, "t", 4
+    numel, name, seed = 4 * CHUNK + 3001, "t", 4
     tau = (rng.standard_normal((2, numel)) * 10.0 ** rng.uniform(-30, 10, (2, numel))).astype(np.float32)
-    tau[1, 2 * CHUNK:] = 0.0  # the last chunk's lanes: 2^53, then 1 in each other lane; only the documented
-    tau[1, 2 * CHUNK:2 * CHUNK + 8] = [2.0**53] + [1.0] * 7  # tree gives 2^53 + 6 (a chain gives 2^53 + 4)
-    dens = np.array([uniform(seed, 0, name, numel, 0, numel)[CHUNK + 9].item(), 0.9], dtype=np.float32)  # u = p
+    tau[1, 4 * CHUNK:] = 0.0  # the last chunk's lanes: 2^53, then 1 in each other lane; only the documented
+    tau[1, 4 * CHUNK:4 * CHUNK + 8] = [2.0**53] + [1.0] * 7  # tree gives 2^53 + 6 (a chain gives 2^53 + 4)
+    tau[0, CHUNK:] = 0.0  # later chunks add 0, 3/8 ulp, 3/8 ulp, 0 to chunk 0's sum (in [2^42, 2^43)):
+    tau[0, [2 * CHUNK, 3 * CHUNK]] = 3 * 2.0**-13  # one by one nothing changes, as a pair they add one ulp
+    big = int(np.abs(tau[0, :CHUNK]).argmax())  # the density is the u drawn for agent 0's largest |τ|: dropped
+    dens = np.array([uniform(seed, 0, name, numel, 0, numel)[big].item(), 0.9], dtype=np.float32)
     keep = torch.stack([uniform(seed, t, name, numel, 0, numel) < float(dens[t]) for t in range(2)]).numpy()
     absd, kept = np.abs(tau), np.abs(tau) * keep
     want = np.array([[_reference_sum(r) for r in absd], [_reference_sum(r) for r in kept]])
     assert float(np.sum(absd[0].astype(np.float64))) != want[0, 0]  # the order matters for this data
-    seeds = np.array([[chunk_seed(seed, t, name, c) & 0xFFFFFFFF for c in range(3)] for t in range(2)],
+    assert 2.0**42 <= _reference_sum(absd[0, :CHUNK]) == want[0, 0] < 2.0**43
+    seeds = np.array([[chunk_seed(seed, t, name, c) & 0xFFFFFFFF for c in range(5)] for t in range(2)],
                      dtype=np.uint32)
+    monkeypatch.setattr(_l1, "GROUP", 2)  # groups after the first must add to the total chunk by chunk
     for block in (777, 8192, CHUNK, 100_000, numel):
         lanes = _l1.LaneSum(4)
         total, carry = np.zeros((2, 2)), np.zeros((2, 2, 8))

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 CHUNK = 1 << 16  # = _ops.RNG_CHUNK: on the fast path one piece of a block serves the random numbers and the lanes
 LANES = 8
 EPS = 1e-7  # mergekit's: a (near-)empty tensor is not rescaled
+GROUP = 8  # whole chunks per cumsum on the torch path: 8 · 65,536 float64 per row of temporaries
 
 
 def l1_factors(before: np.ndarray, after: np.ndarray) -> np.ndarray:
@@ -46,23 +47,41 @@ class LaneSum:
 
     def add(self, values: torch.Tensor, start: int, numel: int) -> None:
         """values [R, n] ≥ 0: flat elements [start, start + n) of a tensor of ``numel`` elements."""
-        import torch  # the torch path's helper; this module stays importable without torch
-
-        v = values.detach().cpu().double()  # on the CPU: a CUDA cumsum is a parallel scan, not sequential
+        v = values.detach().cpu()  # on the CPU: a CUDA cumsum is a parallel scan, not sequential
         stop = start + v.shape[1]
         pos = start
         while pos < stop:
-            chunk_end = min((pos // CHUNK + 1) * CHUNK, numel)
-            end = min(chunk_end, stop)
-            head = pos % LANES
-            groups = -(-(head + end - pos) // LANES)
-            grid = torch.zeros(self.rows, 1 + groups, LANES, dtype=torch.float64)  # zeros pad: x + 0.0 = x
-            grid[:, 0] = torch.from_numpy(self.lanes)
-            grid[:, 1:].view(self.rows, -1)[:, head:head + end - pos] = v[:, pos - start:end - start]
-            self.lanes = grid.cumsum(1)[:, -1].numpy().copy()  # cumsum: a sequential float64 scan on the CPU
-            if end == chunk_end:
-                ln = self.lanes
-                self.total += ((ln[:, 0] + ln[:, 1]) + (ln[:, 2] + ln[:, 3])) + (
-                    (ln[:, 4] + ln[:, 5]) + (ln[:, 6] + ln[:, 7]))
-                self.lanes[:] = 0.0
-            pos = end
+            whole = min(stop - pos, numel - pos) // CHUNK if pos % CHUNK == 0 else 0
+            if whole:  # whole chunks, up to GROUP at a time: their lanes start from 0, no carry to prepend
+                k = min(whole, GROUP)
+                x = v[:, pos - start:pos - start + k * CHUNK].double().view(self.rows, k, CHUNK // LANES, LANES)
+                sums = _tree(x.cumsum(2)[:, :, -1].numpy())  # cumsum: a sequential float64 scan on the CPU
+                for c in range(k):
+                    self.total += sums[:, c]
+                pos += k * CHUNK
+            else:
+                pos = self._piece(v, start, pos, stop, numel)
+
+    def _piece(self, v: torch.Tensor, start: int, pos: int, stop: int, numel: int) -> int:
+        """Add the part of one chunk in [pos, stop), after the lanes it carries; returns where it ended."""
+        import torch  # the torch path's helper; this module stays importable without torch
+
+        chunk_end = min((pos // CHUNK + 1) * CHUNK, numel)
+        end = min(chunk_end, stop)
+        head = pos % LANES
+        groups = -(-(head + end - pos) // LANES)
+        grid = torch.zeros(self.rows, 1 + groups, LANES, dtype=torch.float64)  # zeros pad: x + 0.0 = x
+        grid[:, 0] = torch.from_numpy(self.lanes)
+        grid[:, 1:].view(self.rows, -1)[:, head:head + end - pos] = v[:, pos - start:end - start]
+        self.lanes = grid.cumsum(1)[:, -1].numpy().copy()
+        if end == chunk_end:
+            self.total += _tree(self.lanes[:, None])[:, 0]
+            self.lanes[:] = 0.0
+        return end
+
+
+def _tree(lanes: np.ndarray) -> np.ndarray:
+    """[..., 8] lanes → [...] chunk sums, ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))."""
+    a, b = (lanes[..., 0] + lanes[..., 1]) + (lanes[..., 2] + lanes[..., 3]), (
+        lanes[..., 4] + lanes[..., 5]) + (lanes[..., 6] + lanes[..., 7])
+    return a + b

@@ -208,7 +208,7 @@ class GtaObserver:
         self.warnings: tuple[str, ...] = ()
         self._sel: KthLargest | None = None
         self._queries: list[tuple[int, int, int]] = []  # (agent, side 0=lo/1=hi, rank)
-        self._l1_acc = LaneSum(2 * n)  # rows: Σ|τ_t|, then Σ|kept τ_t|, in _l1.py's fixed order
+        self._l1_acc = (LaneSum(n), LaneSum(n))  # Σ|τ_t|, Σ|kept τ_t|, in _l1.py's fixed order
         self._global_numel = 0
         self._name = ""
 
@@ -230,7 +230,8 @@ class GtaObserver:
             self._sel.feed(deltas)
         if self.needs_l1:
             kept, _ = prune_block(self.preset, self, deltas, ctx)
-            self._l1_acc.add(torch.cat([deltas.abs(), kept.abs()]), ctx.start, numel)
+            self._l1_acc[0].add(deltas.abs(), ctx.start, numel)
+            self._l1_acc[1].add(kept.abs(), ctx.start, numel)
 
     @property
     def selection(self) -> KthLargest | None:
@@ -247,7 +248,8 @@ class GtaObserver:
 
     def begin_tensor(self, name: str, numel: int) -> None:
         self._name = name
-        self._l1_acc.reset()
+        for acc in self._l1_acc:
+            acc.reset()
         if self.preset.prune == "magnitude-global":
             if self._sel is None:
                 self._sel = KthLargest(n_streams=self.n, streams=list(range(self.n)))
@@ -273,8 +275,7 @@ class GtaObserver:
     def again(self, name: str | None) -> bool:
         """After a tensor (``name``) or the whole model (None): True asks the engine to stream it again."""
         if name is not None and self.needs_l1:
-            before, after = self._l1_acc.total.reshape(2, self.n)
-            self.l1[name] = torch.from_numpy(l1_factors(before, after))
+            self.l1[name] = torch.from_numpy(l1_factors(self._l1_acc[0].total, self._l1_acc[1].total))
         global_ = self.preset.prune == "magnitude-global"
         if (name is None) != global_ or self._sel is None:
             return False
