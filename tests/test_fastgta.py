@@ -17,7 +17,7 @@ from rlmerge import kernels
 from rlmerge.errors import InputError
 from rlmerge.methods._select import HI_BINS, LO_BINS, KthLargest
 from rlmerge.synthetic import make_example
-from test_fastpath import _edge_models, _same_bytes
+from test_fastpath import _edge_models, _same_bytes, same_counts
 
 pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed: no fast path to test")
 
@@ -60,11 +60,7 @@ def test_fast_gta_writes_the_torch_paths_bytes(example, tmp_path: Path, monkeypa
     slow, fast, calls = _merge_both(base, agents, tmp_path, monkeypatch, method, params, dtype, block)
     assert calls > 0, "the fast path did not run"
     _same_bytes(tmp_path / "torch", tmp_path / "fast")
-    assert slow.statistics.tensors.keys() == fast.statistics.tensors.keys()
-    for name, s in slow.statistics.tensors.items():
-        f = fast.statistics.tensors[name]
-        for attr in ("kofn", "overlap", "sign_agree"):
-            np.testing.assert_array_equal(getattr(s, attr), getattr(f, attr), err_msg=f"{name}.{attr}")
+    same_counts(slow, fast)
 
 
 @pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
@@ -104,6 +100,7 @@ def test_thresholds_are_the_exact_kth_largest(tmp_path: Path) -> None:
 
 
 def test_non_finite_delta_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN τ on the fast TIES and DARE paths is reported with file, tensor and index; nothing is left behind."""
     base, agents = make_example(tmp_path / "in", shape=TINY)
     name = "model.layers.0.mlp.up_proj.weight"
     bad = load_file(str(agents[2] / "model.safetensors"))
@@ -111,12 +108,14 @@ def test_non_finite_delta_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     bad[name].view(-1)[123] = float("nan")
     save_file(bad, str(agents[2] / "model.safetensors"))
     monkeypatch.setenv("RLMERGE_FAST", "1")
-    for method in ("ties", "ties_global"):
+    cases = [("ties", {}), ("ties_global", {}), ("dare_ties", {"rescale": "l1"}), ("dare_ta", {"rescale": "inverse"})]
+    for method, params in cases:
         for block in (100, 1 << 20):
+            out = tmp_path / f"out-{method}-{block}"
             with pytest.raises(InputError) as e:
-                rlmerge.merge(base, agents, tmp_path / f"out-{method}-{block}", method=method, block_size=block)
+                rlmerge.merge(base, agents, out, method=method, params=params, block_size=block)
             assert name in str(e.value) and "123" in str(e.value) and str(agents[2]) in str(e.value)
-            assert not (tmp_path / f"out-{method}-{block}").exists()
+            assert not out.exists()
 
 
 def test_histogram_counts_equal_fed_values() -> None:

@@ -52,6 +52,15 @@ def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.M
     return tmp / "torch", tmp / "fast", len(calls)
 
 
+def same_counts(slow: rlmerge.MergeResult, fast: rlmerge.MergeResult) -> None:
+    """Both merges counted the same k-of-N, overlaps and sign agreements for every tensor."""
+    assert slow.statistics.tensors.keys() == fast.statistics.tensors.keys()
+    for name, s in slow.statistics.tensors.items():
+        f = fast.statistics.tensors[name]
+        for attr in ("kofn", "overlap", "sign_agree"):
+            np.testing.assert_array_equal(getattr(s, attr), getattr(f, attr), err_msg=f"{name}.{attr}")
+
+
 def _same_bytes(a: Path, b: Path) -> None:
     files = sorted(p.name for p in a.glob("*.safetensors"))
     assert files and files == sorted(p.name for p in b.glob("*.safetensors"))

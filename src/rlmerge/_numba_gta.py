@@ -49,17 +49,27 @@ def hist_lo(base, agents, lo, hi, streams, bins, hist):  # type: ignore[no-untyp
 @njit(nogil=True, cache=True)
 def _tile(base, agents, lo, m, keep_lo, keep_hi, w, elect, normalize, div, scaling, apply_scaling, out,  # type: ignore[no-untyped-def]
           wtd, b32, total, den, sgn):
-    n_agents = agents.shape[0]
     zero = np.float32(0.0)
     one = np.float32(1.0)
     for j in range(m):
         b32[j] = _dec(base[lo + j])
-    for t in range(n_agents):  # prune_block, then · w_t: τ · keep · w_t (× 0.0 keeps the sign of zero)
+    for t in range(agents.shape[0]):  # prune_block, then · w_t: τ · keep · w_t (× 0.0 keeps the sign of zero)
         lt, ht, wt = keep_lo[t], keep_hi[t], w[t]
         for j in range(m):
             x = _dec(agents[t, lo + j]) - b32[j]
             a = abs(x)
             wtd[t, j] = (x * (one if (a >= lt and a <= ht) else zero)) * wt
+    combine_tile(wtd, b32, lo, m, w, elect, normalize, div, scaling, apply_scaling, out, total, den, sgn)
+
+
+@njit(nogil=True, cache=True)
+def combine_tile(wtd, b32, lo, m, w, elect, normalize, div, scaling, apply_scaling, out,  # type: ignore[no-untyped-def]
+                 total, den, sgn):
+    """out[lo:lo + m] = θ₀ + scaling · combine(u) from u = wtd [N, m] (pruned, rescaled, weighted τ): the sign
+    election, (disjoint) mean, scaling and rounding of methods/gta.py ``_merge``. Shared with _numba_dare.py."""
+    n_agents = wtd.shape[0]
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
     if elect:  # elect_sign: +1 where Σ_t w_t τ_t ≥ 0; agree: sign(w_t τ_t) equals it
         for j in range(m):
             sgn[j] = wtd[0, j]
@@ -68,18 +78,14 @@ def _tile(base, agents, lo, m, keep_lo, keep_hi, w, elect, normalize, div, scali
                 sgn[j] += wtd[t, j]
         for j in range(m):
             sgn[j] = one if sgn[j] >= zero else -one
-        for t in range(n_agents):
+        for t in range(n_agents):  # agent 0 assigns (0 + v would turn a −0 into +0), the others add
             wt = w[t]
             for j in range(m):
                 v = wtd[t, j]
-                keep = (v > zero and sgn[j] > zero) or (v < zero and sgn[j] < zero)
-                mt = one if keep else zero
-                if t == 0:
-                    total[j] = v * mt
-                    den[j] = wt * mt
-                else:
-                    total[j] += v * mt
-                    den[j] += wt * mt
+                s = sgn[j]
+                mt = one if ((v > zero) & (s > zero)) | ((v < zero) & (s < zero)) else zero  # no branch
+                total[j] = v * mt if t == 0 else total[j] + v * mt
+                den[j] = wt * mt if t == 0 else den[j] + wt * mt
         if normalize:  # disjoint mean; no agent kept divides by 1
             for j in range(m):
                 total[j] = total[j] / (one if den[j] == zero else den[j])

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import kernels
-from .fastpath import FastPath, OrderedWriter, eligible, enabled, statistics_pass_fast, stats_args
+from .fastpath import FastPath, OrderedWriter, eligible, enabled, next_block, statistics_pass_fast, stats_args
 from .methods import MethodSpec
 from .methods._select import HI_BINS, LO_BINS
 from .methods.gta import GtaObserver, _ranks
@@ -114,13 +114,8 @@ class GtaFast:
         fast = self.fast
         nblocks = -(-job.numel // fast.block)
 
-        def take() -> tuple[int, int, Any, np.ndarray, np.ndarray]:
-            bjob, start, stop, slot, base, agents = next(blocks)
-            if bjob is not job:
-                raise RuntimeError(f"fast path out of step: expected {job.name}, got {bjob.name}")
-            if ts is not None and first_read:
-                fast.run(job, start, base, agents, self.stats_args, None, ts)
-            return start, stop, slot, base, agents
+        def take() -> tuple[int, int, Any, np.ndarray, np.ndarray]:  # counted on the first read only
+            return next_block(blocks, job, fast, ts if first_read else None, self.stats_args)
 
         first_read = True
         selects = self._selects(job)

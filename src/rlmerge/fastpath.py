@@ -271,6 +271,12 @@ class FastPath:
             return [fn(*parts[0])]
         return list(self._compute.map(lambda a: fn(*a), parts))
 
+    def run_parts(self, parts: list[tuple[int, int]], fn: Callable[[int, int], Any]) -> list[Any]:
+        """``fn(lo, hi)`` on the compute threads, one call per given slice (fastdare cuts at chunk boundaries)."""
+        if len(parts) == 1:
+            return [fn(*parts[0])]
+        return list(self._compute.map(lambda a: fn(*a), parts))
+
     def raise_non_finite(self, job: Job, start: int, base: np.ndarray, agents: Any) -> None:
         def f32(a: np.ndarray, dtype: DType) -> torch.Tensor:
             return torch.from_numpy(np.array(a)).view(dtype.torch).float()
@@ -348,13 +354,23 @@ class OrderedWriter:
             self.fast.drain()
 
 
+def next_block(blocks: Iterator[Any], job: Job, fast: FastPath | None = None, ts: TensorStats | None = None,
+               args: KernelArgs | None = None) -> tuple[int, int, _Slot, np.ndarray, Any]:
+    """The next block of ``blocks``, which must belong to ``job``: (start, stop, slot, base, agents); counted
+    into ``ts`` by ``fast``'s statistics kernel (``args``: stats_args) when ``ts`` is given."""
+    bjob, start, stop, slot, base, agents = next(blocks)
+    if bjob is not job:
+        raise RuntimeError(f"fast path out of step: expected {job.name}, got {bjob.name}")
+    if fast is not None and ts is not None and args is not None:
+        fast.run(job, start, base, agents, args, None, ts)
+    return start, stop, slot, base, agents
+
+
 def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: KernelArgs, ts: TensorStats | None,
                    out: OrderedWriter, bar: Any) -> None:
     """All blocks of one eligible job: fused kernel, statistics into ``ts`` when given, queued write."""
     for _ in range(-(-job.numel // fast.block)):
-        bjob, start, stop, slot, base, agents = next(blocks)
-        if bjob is not job:
-            raise RuntimeError(f"fast path out of step: expected {job.name}, got {bjob.name}")
+        start, stop, slot, base, agents = next_block(blocks, job)
         merged = fast.out_view(slot, job, stop - start)
         fast.run(job, start, base, agents, args, merged, ts)
         out.write_slot(slot, merged)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import fastgta
+from . import fastdare, fastgta
 from ._torch import torch
 from .blocks import DEFAULT_BLOCK, Block, BlockReader, device_type, spans, tensor_bytes
 from .budget import check_memory, estimate_memory
@@ -139,10 +139,12 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_byt
         "device": device_type(device),  # float results may differ between CPU and GPU kernels
         "headers": [shard_header(s, metadata).hex() for s in layout_shards(plan.jobs, shard_bytes)]})
     writer = CheckpointWriter(partial, plan.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp)
-    gta = fastgta.build(plan, spec, p, block_size, device, observer, extras, stats.epsilon)
+    gta = (fastgta.build(plan, spec, p, block_size, device, observer, extras, stats.epsilon)
+           or fastdare.build(plan, spec, p, block_size, device, extras, stats.epsilon, seed))
     fast = gta.fast if gta is not None else _fast_path(plan, spec, p, block_size, device, observer, extras)
     with Progress(quiet=quiet) as progress, writer, _closing(fast):
-        # The fast TIES path finds per-tensor thresholds inside the merge pass; a whole-model one needs a pass.
+        # The fast TIES / DARE paths find per-tensor thresholds and L1 sums inside the merge pass; a whole-model
+        # threshold needs a pass.
         needs_stats = spec.needs_stats(p) or (observer is not None and (gta is None or gta.whole_model))
         # A resumed run skips the kept shards' tensors in the merge pass, so it gathers the statistics
         # (for the report, and for RAM+'s ρ) in a statistics pass over the whole model first.
@@ -218,7 +220,8 @@ def _ctx(job: Job, blk: Block, prepared: Any, stats: Statistics, seed: int) -> B
 
 
 def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress: Progress, observer: Any = None,
-                    *, seed: int = 0, fast: FastPath | None = None, gta: fastgta.GtaFast | None = None) -> None:
+                    *, seed: int = 0, fast: FastPath | None = None,
+                    gta: fastgta.GtaFast | fastdare.DareFast | None = None) -> None:
     """Count every block; feed the method's observer, streaming a tensor (or the model) again if it asks."""
     jobs = plan.merge_jobs
     with progress.task("statistics", total=sum(j.info.nbytes for j in jobs), tensors=len(jobs)) as bar:
@@ -251,7 +254,7 @@ def _observe_again(observer: Any, reader: BlockReader, jobs: list[Job], stats: S
 
 def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepared: Any, stats: Statistics,
                writer: CheckpointWriter, progress: Progress, *, collect: bool, seed: int,
-               fast: FastPath | None = None, gta: fastgta.GtaFast | None = None) -> None:
+               fast: FastPath | None = None, gta: fastgta.GtaFast | fastdare.DareFast | None = None) -> None:
     pending = writer.pending(plan.jobs)  # a resumed run skips the shards it kept
     # inspect's extra counters (stats.thresholds) are torch-path only
     fast = fast if not stats.thresholds else None

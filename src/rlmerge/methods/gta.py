@@ -25,6 +25,7 @@ from .._torch import torch
 from ..errors import ConfigError
 from ..stats import Statistics
 from . import BlockContext, MethodSpec, check_range
+from ._l1 import LaneSum, l1_factors
 from ._ops import agree, combine, elect_sign, keep_window, row_ranks, uniform
 from ._select import KthLargest
 from .task_arithmetic import agent_weights
@@ -207,7 +208,7 @@ class GtaObserver:
         self.warnings: tuple[str, ...] = ()
         self._sel: KthLargest | None = None
         self._queries: list[tuple[int, int, int]] = []  # (agent, side 0=lo/1=hi, rank)
-        self._l1_acc = torch.zeros((2, n), dtype=torch.float64)
+        self._l1_acc = (LaneSum(n), LaneSum(n))  # Σ|τ_t|, Σ|kept τ_t|, in _l1.py's fixed order
         self._global_numel = 0
         self._name = ""
 
@@ -229,8 +230,8 @@ class GtaObserver:
             self._sel.feed(deltas)
         if self.needs_l1:
             kept, _ = prune_block(self.preset, self, deltas, ctx)
-            self._l1_acc[0] += deltas.abs().double().sum(-1).cpu()
-            self._l1_acc[1] += kept.abs().double().sum(-1).cpu()
+            self._l1_acc[0].add(deltas.abs(), ctx.start, numel)
+            self._l1_acc[1].add(kept.abs(), ctx.start, numel)
 
     @property
     def selection(self) -> KthLargest | None:
@@ -247,7 +248,8 @@ class GtaObserver:
 
     def begin_tensor(self, name: str, numel: int) -> None:
         self._name = name
-        self._l1_acc.zero_()
+        for acc in self._l1_acc:
+            acc.reset()
         if self.preset.prune == "magnitude-global":
             if self._sel is None:
                 self._sel = KthLargest(n_streams=self.n, streams=list(range(self.n)))
@@ -273,9 +275,7 @@ class GtaObserver:
     def again(self, name: str | None) -> bool:
         """After a tensor (``name``) or the whole model (None): True asks the engine to stream it again."""
         if name is not None and self.needs_l1:
-            before, after = self._l1_acc
-            ok = (before >= 1e-7) & (after >= 1e-7)  # mergekit's eps: no rescale of (near-)empty tensors
-            self.l1[name] = torch.where(ok, before / torch.where(ok, after, 1.0), 1.0).float()
+            self.l1[name] = torch.from_numpy(l1_factors(self._l1_acc[0].total, self._l1_acc[1].total))
         global_ = self.preset.prune == "magnitude-global"
         if (name is None) != global_ or self._sel is None:
             return False

@@ -1,0 +1,203 @@
+"""numba kernels for DARE (dare_ta, dare_ties; see fastdare.py): the random drop, the L1 sums, the merge rule.
+
+The keep test draws the torch path's random numbers (_numba_mt.py: at::mt19937 and torch.rand's float32
+conversion, bit for bit): one stream per (seed, agent, tensor, 65,536-element chunk), as methods/_ops.uniform.
+A block is cut into *pieces*, its parts inside one chunk; a thread runs whole pieces, seeding each agent's
+stream at the piece's chunk and skipping to the piece's first element. The merge kernel then does
+methods/gta.py's rule element by element: τ · keep, the rescale (÷ density, × the tensor's L1 factor, or
+none), · w_t, and the combine step shared with TIES (_numba_gta.combine_tile). The L1 kernel sums |τ| and
+|kept τ| per agent in methods/_l1.py's fixed order (8 sequential lanes per chunk), which the torch path
+follows too. Every float32 operation is the torch path's, in its order, with no fast-math: the bytes
+written are identical (tests/test_fastdare.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from . import _numba_mt as mt
+from ._numba_gta import combine_tile
+from ._numba_kernels import _dec
+from .kernels import TILE
+
+CHUNK = 1 << 16  # methods/_ops.RNG_CHUNK and methods/_l1.CHUNK (tests/test_fastdare.py checks)
+RESCALE_NONE, RESCALE_INVERSE, RESCALE_L1 = 0, 1, 2
+_CHUNK = np.uint64(CHUNK)
+_SEVEN = np.uint64(7)
+
+
+@njit(nogil=True, cache=True)
+def _start_piece(states, idx, seeds, c, off):  # type: ignore[no-untyped-def]
+    """Each agent's stream for chunk c, advanced to element ``off`` of the chunk."""
+    for t in range(states.shape[0]):
+        idx[t] = mt.skip(states[t], mt.seed(states[t], seeds[t, c]), off)
+
+
+@njit(nogil=True, cache=True)
+def _draw(states, idx, u, m):  # type: ignore[no-untyped-def]
+    for t in range(states.shape[0]):
+        idx[t] = mt.uniform(states[t], idx[t], u[t], m)
+
+
+@njit(nogil=True, cache=True)
+def _prune_tile(base, agents, lo, m, u, dens, rescale, factor, w, b32, wtd):  # type: ignore[no-untyped-def]
+    """wtd[t] = prune_block's τ · keep (keep: u < density), rescaled, · w_t (gta.py ``_merge``). True: τ not finite."""
+    zero = np.float32(0.0)
+    one = np.float32(1.0)
+    bad = False
+    for j in range(m):
+        b32[j] = _dec(base[lo + j])
+    for t in range(agents.shape[0]):
+        d, f, wt = dens[t], factor[t], w[t]
+        ut = u[t]
+        row = wtd[t]
+        if rescale == RESCALE_INVERSE:
+            for j in range(m):
+                x = _dec(agents[t, lo + j]) - b32[j]
+                bad |= not np.isfinite(x)
+                row[j] = ((x * (one if ut[j] < d else zero)) / d) * wt
+        elif rescale == RESCALE_L1:
+            for j in range(m):
+                x = _dec(agents[t, lo + j]) - b32[j]
+                bad |= not np.isfinite(x)
+                row[j] = ((x * (one if ut[j] < d else zero)) * f) * wt
+        else:
+            for j in range(m):
+                x = _dec(agents[t, lo + j]) - b32[j]
+                bad |= not np.isfinite(x)
+                row[j] = (x * (one if ut[j] < d else zero)) * wt
+    return bad
+
+
+@njit(nogil=True, cache=True)
+def merge_range(base, agents, lo, hi, start, seeds, dens, rescale, factor, w, elect, normalize, div,  # type: ignore[no-untyped-def]
+                scaling, apply_scaling, out):
+    """Elements [lo, hi) of a block that starts at element ``start`` of its tensor, cut at chunk boundaries.
+
+    base [n], agents [N, n] stored values; seeds [N, chunks of the tensor] uint32 (the low 32 bits of
+    _ops.chunk_seed: all that manual_seed keeps); dens, factor, w [N] float32; out [n]. True: τ not finite.
+    """
+    n_agents = agents.shape[0]
+    states = np.empty((n_agents, mt.STATE), dtype=np.uint32)
+    idx = np.empty(n_agents, dtype=np.uint64)
+    u = np.empty((n_agents, TILE), dtype=np.float32)
+    wtd = np.empty((n_agents, TILE), dtype=np.float32)
+    b32 = np.empty(TILE, dtype=np.float32)
+    total = np.empty(TILE, dtype=np.float32)
+    den = np.empty(TILE, dtype=np.float32)
+    sgn = np.empty(TILE, dtype=np.float32)
+    bad = False
+    start = np.uint64(start)
+    pos = np.uint64(lo)
+    hi = np.uint64(hi)
+    while pos < hi:
+        c = (start + pos) // _CHUNK
+        end = min(hi, (c + np.uint64(1)) * _CHUNK - start)
+        _start_piece(states, idx, seeds, c, start + pos - c * _CHUNK)
+        while pos < end:
+            m = min(np.uint64(TILE), end - pos)
+            _draw(states, idx, u, m)
+            bad |= _prune_tile(base, agents, pos, m, u, dens, rescale, factor, w, b32, wtd)
+            combine_tile(wtd, b32, pos, m, w, elect, normalize, div, scaling, apply_scaling, out, total, den, sgn)
+            pos += m
+    return bad
+
+
+@njit(nogil=True, cache=True)
+def _lanes_add(v, n, lanes, lane0):  # type: ignore[no-untyped-def]
+    """lanes[(lane0 + j) mod 8] += v[j] for j in [0, n), in order: methods/_l1.py's sequential lanes."""
+    j = np.uint64(0)
+    n = np.uint64(n)
+    lane = np.uint64(lane0)
+    while j < n and lane != np.uint64(0):  # up to the next multiple of 8
+        lanes[lane] += v[j]
+        j += np.uint64(1)
+        lane = (lane + np.uint64(1)) & _SEVEN
+    a0, a1, a2, a3, a4, a5, a6, a7 = lanes[0], lanes[1], lanes[2], lanes[3], lanes[4], lanes[5], lanes[6], lanes[7]
+    while j + np.uint64(8) <= n:  # eight independent chains
+        a0 += v[j]
+        a1 += v[j + np.uint64(1)]
+        a2 += v[j + np.uint64(2)]
+        a3 += v[j + np.uint64(3)]
+        a4 += v[j + np.uint64(4)]
+        a5 += v[j + np.uint64(5)]
+        a6 += v[j + np.uint64(6)]
+        a7 += v[j + np.uint64(7)]
+        j += np.uint64(8)
+    lanes[0], lanes[1], lanes[2], lanes[3], lanes[4], lanes[5], lanes[6], lanes[7] = a0, a1, a2, a3, a4, a5, a6, a7
+    lane = np.uint64(0)
+    while j < n:
+        lanes[lane] += v[j]
+        j += np.uint64(1)
+        lane += np.uint64(1)
+
+
+@njit(nogil=True, cache=True)
+def l1_range(base, agents, lo, hi, start, seeds, dens, carry, part):  # type: ignore[no-untyped-def]
+    """The L1 sums of elements [lo, hi) of a block (cut as for merge_range), per piece, in float64 lanes.
+
+    part [2, N, pieces of the block, 8]: the lanes of Σ|τ_t| (row 0) and Σ|τ_t · keep_t| (row 1) of each
+    piece; the block's first piece starts from ``carry`` [2, N, 8] (a chunk begun in the previous block).
+    ``fold`` then adds the finished chunks in order. True: τ not finite.
+    """
+    n_agents = agents.shape[0]
+    states = np.empty((n_agents, mt.STATE), dtype=np.uint32)
+    idx = np.empty(n_agents, dtype=np.uint64)
+    u = np.empty((n_agents, TILE), dtype=np.float32)
+    b32 = np.empty(TILE, dtype=np.float32)
+    va = np.empty(TILE, dtype=np.float64)
+    vk = np.empty(TILE, dtype=np.float64)
+    zero = np.float64(0.0)
+    bad = False
+    start = np.uint64(start)
+    pos = np.uint64(lo)
+    hi = np.uint64(hi)
+    first = start // _CHUNK
+    while pos < hi:
+        c = (start + pos) // _CHUNK
+        end = min(hi, (c + np.uint64(1)) * _CHUNK - start)
+        piece = c - first
+        for r in range(2):
+            for t in range(n_agents):
+                for k in range(8):
+                    part[r, t, piece, k] = carry[r, t, k] if piece == np.uint64(0) else zero
+        _start_piece(states, idx, seeds, c, start + pos - c * _CHUNK)
+        while pos < end:
+            m = min(np.uint64(TILE), end - pos)
+            _draw(states, idx, u, m)
+            for j in range(m):
+                b32[j] = _dec(base[pos + j])
+            lane0 = (start + pos) & _SEVEN
+            for t in range(n_agents):
+                d = dens[t]
+                ut = u[t]
+                for j in range(m):
+                    x = _dec(agents[t, pos + j]) - b32[j]
+                    bad |= not np.isfinite(x)
+                    a = np.float64(abs(x))
+                    va[j] = a
+                    vk[j] = a if ut[j] < d else zero  # |τ · keep|: τ · 0.0 is ±0
+                _lanes_add(va, m, part[0, t, piece], lane0)
+                _lanes_add(vk, m, part[1, t, piece], lane0)
+            pos += m
+    return bad
+
+
+@njit(nogil=True, cache=True)
+def fold(part, carry, total, start, stop, numel):  # type: ignore[no-untyped-def]
+    """Add the block's finished chunks to total [2, N] in chunk order; an unfinished last chunk's lanes go to
+    ``carry`` (zero otherwise). Each chunk: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), as methods/_l1.py."""
+    first = start // CHUNK
+    last = (stop - 1) // CHUNK
+    carry[:] = 0.0
+    for c in range(first, last + 1):
+        p = c - first
+        chunk_end = min((c + 1) * CHUNK, numel)
+        for r in range(2):
+            for t in range(part.shape[1]):
+                ln = part[r, t, p]
+                if min(chunk_end, stop) == chunk_end:
+                    total[r, t] += ((ln[0] + ln[1]) + (ln[2] + ln[3])) + ((ln[4] + ln[5]) + (ln[6] + ln[7]))
+                else:
+                    carry[r, t] = ln

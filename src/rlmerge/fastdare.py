@@ -1,0 +1,162 @@
+"""DARE (dare_ta, dare_ties) on the fast path: the torch path's random drop, rescale and merge in numba kernels.
+
+The torch path (methods/gta.py) draws each agent's keep mask with torch.rand per 65,536-element chunk and
+runs a chain of torch ops per block; with ``rescale: l1`` it streams the whole model once more first, for each
+tensor's Σ|τ| / Σ|kept τ|. Here the same random numbers come from a numba mt19937 (_numba_mt.py), the merge
+rule runs fused on the fast path's raw blocks (fastpath.py), and the L1 sums are taken per tensor inside the
+merge pass: a tensor that fits in one block is read once (sums, then merge, on the block in memory), a larger
+one twice. The bytes written are the torch path's (tests/test_fastdare.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from .fastpath import FastPath, OrderedWriter, eligible, enabled, next_block, statistics_pass_fast, stats_args
+from .methods import MethodSpec
+from .methods._l1 import CHUNK, l1_factors
+from .methods._ops import chunk_seed
+from .methods.gta import PRESETS, per_agent
+from .methods.task_arithmetic import agent_weights, weight_sum
+from .plan import Job, Plan
+from .stats import Statistics, TensorStats
+
+FAST_PRESETS = ("dare_ta", "dare_ties")  # random drop; DELLA's MagPrune needs row ranks (torch path)
+RESCALE = {"none": 0, "inverse": 1, "l1": 2}  # _numba_dare.RESCALE_*
+
+
+def merge_range(*args: Any) -> bool:
+    """The DARE merge rule over [lo, hi) of one block (_numba_dare.merge_range); True when τ is not finite."""
+    from ._numba_dare import merge_range as kernel
+
+    return bool(kernel(*args))
+
+
+def l1_range(*args: Any) -> bool:
+    """The L1 sums' lanes over [lo, hi) of one block (_numba_dare.l1_range); True when τ is not finite."""
+    from ._numba_dare import l1_range as kernel
+
+    return bool(kernel(*args))
+
+
+def build(plan: Plan, spec: MethodSpec, p: Any, block_size: int, device: str, extras: list[Any] | None,
+          eps: float, seed: int) -> DareFast | None:
+    """A DareFast when every merged tensor can take the fast path."""
+    if spec.name not in FAST_PRESETS or not enabled(device) or extras:
+        return None
+    if not plan.merge_jobs or not all(eligible(plan, j) for j in plan.merge_jobs):
+        return None
+    return DareFast(FastPath(plan, block_size), spec.name, p, eps, seed)
+
+
+def pieces(start: int, n: int, threads: int) -> list[tuple[int, int]]:
+    """[lo, hi) per thread over a block of n elements that starts at element ``start`` of its tensor, cut only
+    at chunk boundaries (a piece's random numbers continue one stream), about n / threads each."""
+    first = -start % CHUNK  # the block's first chunk boundary
+    cuts = [0]
+    for k in range(1, threads):
+        cut = first + max(0, round((k * n / threads - first) / CHUNK)) * CHUNK  # the boundary nearest k·n/threads
+        if cuts[-1] < cut < n:
+            cuts.append(cut)
+    return list(zip(cuts, [*cuts[1:], n]))
+
+
+class DareFast:
+    """The merge pass of dare_ta / dare_ties on the fast path; the statistics pass is fastpath's."""
+
+    whole_model = False  # nothing is gathered over the whole model before merging (merge.py asks)
+
+    def __init__(self, fast: FastPath, name: str, params: Any, eps: float, seed: int) -> None:
+        preset = PRESETS[name]
+        n = len(fast.plan.agents)
+        self.fast, self.n, self.seed = fast, n, seed
+        self.stats_args = stats_args(n, eps)
+        self.w = agent_weights(preset.summary.split(":")[0], params.weights, n)  # as gta._merge
+        div = weight_sum(self.w)  # methods/_ops.combine without a mask
+        self.div = div if abs(div) >= 1e-8 else np.float32(1.0)
+        self.dens = np.array(per_agent(params.density, n, "gta", "density"), dtype=np.float32)
+        self.rescale = RESCALE[params.rescale]
+        self.elect = preset.sign_election
+        self.normalize = bool(preset.normalize if params.normalize is None else params.normalize)
+        self.scaling = np.float32(params.scaling)
+        self.apply_scaling = params.scaling != 1.0
+        self.ones = np.ones(n, dtype=np.float32)
+
+    def passes(self, job: Job) -> int:
+        """Reads of ``job`` in the merge pass: 2 (L1 sums, merge) for ``l1`` unless it fits in one block."""
+        return 2 if self.rescale == RESCALE["l1"] and job.numel > self.fast.block else 1
+
+    def statistics_pass(self, jobs: list[Job], stats: Statistics, bar: Any) -> None:
+        statistics_pass_fast(self.fast, jobs, stats, bar)  # a resumed run's counts; DARE itself needs none
+
+    def _seeds(self, job: Job) -> np.ndarray:
+        """[N, chunks] uint32: the low 32 bits of each chunk's seed, all that torch's manual_seed keeps."""
+        chunks = -(-job.numel // CHUNK)
+        return np.array([[chunk_seed(self.seed, t, job.name, c) & 0xFFFFFFFF for c in range(chunks)]
+                         for t in range(self.n)], dtype=np.uint32)
+
+    def _threads(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray,
+                 fn: Callable[[int, int], bool]) -> None:
+        """``fn(lo, hi)`` on each thread's pieces of the block; a non-finite τ is named as on the torch path."""
+        bad = self.fast.run_parts(pieces(start, base.shape[0], self.fast.threads), fn)
+        if any(bad):
+            self.fast.raise_non_finite(job, start, base, agents)
+
+    # -- the merge pass --------------------------------------------------------------------------------
+    def merge_job(self, blocks: Iterator[Any], job: Job, ts: TensorStats | None, out: OrderedWriter,
+                  bar: Any) -> None:
+        """All reads of one job (``passes(job)`` times its blocks): L1 sums if asked, then the fused merge."""
+        fast = self.fast
+        nblocks = -(-job.numel // fast.block)
+        seeds = self._seeds(job)
+
+        def take() -> tuple[int, int, Any, np.ndarray, np.ndarray]:  # counted on the first read only
+            return next_block(blocks, job, fast, ts if first_read else None, self.stats_args)
+
+        first_read = True
+        l1 = _L1Sums(self.n) if self.rescale == RESCALE["l1"] else None
+        factor = self.ones
+        if l1 is not None and self.passes(job) == 2:
+            for _ in range(nblocks):
+                start, stop, _slot, base, agents = take()
+                self._l1_block(job, start, stop, base, agents, seeds, l1)
+            first_read = False
+            factor = l1.factors()
+        for _ in range(nblocks):
+            start, stop, slot, base, agents = take()
+            if l1 is not None and self.passes(job) == 1:  # the whole tensor is this block
+                self._l1_block(job, start, stop, base, agents, seeds, l1)
+                factor = l1.factors()
+            merged = fast.out_view(slot, job, stop - start)
+            self._merge_block(job, start, base, agents, seeds, factor, merged)
+            out.write_slot(slot, merged)
+            bar.advance((stop - start) * job.out_dtype.itemsize)
+
+    def _merge_block(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
+                     factor: np.ndarray, merged: np.ndarray) -> None:
+        self._threads(job, start, base, agents, lambda lo, hi: merge_range(
+            base, agents, lo, hi, start, seeds, self.dens, self.rescale, factor, self.w, self.elect,
+            self.normalize, self.div, self.scaling, self.apply_scaling, merged))
+
+    def _l1_block(self, job: Job, start: int, stop: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
+                  l1: _L1Sums) -> None:
+        from ._numba_dare import fold
+
+        part = np.empty((2, self.n, (stop - 1) // CHUNK - start // CHUNK + 1, 8), dtype=np.float64)
+        self._threads(job, start, base, agents, lambda lo, hi: l1_range(
+            base, agents, lo, hi, start, seeds, self.dens, l1.carry, part))
+        fold(part, l1.carry, l1.total, start, stop, job.numel)
+
+
+class _L1Sums:
+    """One tensor's Σ|τ_t| (row 0) and Σ|kept τ_t| (row 1) so far, and the lanes of a chunk left open."""
+
+    def __init__(self, n: int) -> None:
+        self.total = np.zeros((2, n), dtype=np.float64)
+        self.carry = np.zeros((2, n, 8), dtype=np.float64)
+
+    def factors(self) -> np.ndarray:
+        return l1_factors(self.total[0], self.total[1])
