@@ -13,5 +13,5 @@ if __name__ == "__main__":
     kwargs = {"block_size": job["block_size"]} if job.get("block_size") else {}
     t0 = time.perf_counter()
     rlmerge.merge(job["base"], job["agents"], job["out"], method=job["method"], params=job["params"],
-                  device=job.get("device", "cpu"), **kwargs)
+                  device=job.get("device", "cpu"), fsync=job.get("fsync", True), **kwargs)
     print(json.dumps({"seconds": time.perf_counter() - t0}))

@@ -8,7 +8,9 @@
 Each merge runs as a child process; its peak RSS comes from GNU time (``%M``). ``wall`` is the child's whole life
 (interpreter start and imports included) and is what × mergekit compares; ``merge s`` is the time inside
 ``rlmerge.merge`` and is what × floor compares, the floor being one read of every input byte from the page
-cache plus one write of the output's bytes, measured in the same run on the same files.
+cache plus one write of the output's bytes, measured in the same run on the same files. rlmerge fsyncs its
+output (``--no-fsync``: it does not, like mergekit); ``+ sync`` is what a ``sync`` after each process still had
+to write, so ``× mergekit (on disk)`` compares the two tools with both outputs on disk.
 """
 
 from __future__ import annotations
@@ -59,26 +61,36 @@ CASES: dict[str, Case] = {
     # random drops: the two tools draw different masks, so max |diff| only bounds the scale of the disagreement
     "dare_ties": Case("dare_ties", {"density": 0.5, "rescale": "l1"}, "dare_ties", {}, {"weight": 1.0, "density": 0.5}),
     "model_stock": Case("model_stock", {}, "model_stock", {}, {}),
+    # mergekit's della rescales to each tensor's L1 norm (rescale: true); ours does with rescale: l1
+    "della": Case("della", {"density": 0.7, "epsilon": 0.15, "rescale": "l1"}, "della", {},
+                  {"weight": 1.0, "density": 0.7, "epsilon": 0.15}),
 }
 
 
-def run_child(cmd: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS in GB, stdout) of one child process.
+def run_child(cmd: list[str]) -> tuple[float, float, str, float]:
+    """(wall seconds, peak RSS in GB, stdout, seconds a ``sync`` then took) of one child process.
 
     Peak RSS comes from /usr/bin/time: Linux's ru_maxrss of a child forked from this (large) process
-    would start at this process's own RSS, as the high-water mark survives the exec.
+    would start at this process's own RSS, as the high-water mark survives the exec. The sync after the child
+    is what it still owed the disk: ~0 for rlmerge (it fsyncs its output), the whole output for a tool that
+    leaves it in the page cache; the disk is synced before the child starts, so nothing else is counted.
     """
+    os.sync()
     t0 = time.perf_counter()
     proc = subprocess.run([TIME, "-f", "RLBENCH_MAXRSS_KB=%M", *cmd], capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} … failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    t0 = time.perf_counter()
+    os.sync()
+    sync = time.perf_counter() - t0
     kb = [ln for ln in proc.stderr.splitlines() if ln.startswith("RLBENCH_MAXRSS_KB=")][-1]
-    return wall, int(kb.split("=")[1]) / 2**20, proc.stdout
+    return wall, int(kb.split("=")[1]) / 2**20, proc.stdout, sync
 
 
-def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, float]:
-    """Seconds to read every input byte once (page cache warmed first) and to write out_bytes once."""
+def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, float, float]:
+    """Seconds to read every input byte once (page cache warmed first), to write out_bytes once, and to write
+    them and fsync them (the output on disk, as rlmerge leaves it)."""
     buf = np.empty(64 << 20, dtype=np.uint8)
     view = memoryview(buf)
 
@@ -94,14 +106,18 @@ def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, floa
 
     read_all()  # warm the page cache, as every merge after the first finds it
     read = read_all()
+    os.sync()
     t0 = time.perf_counter()
     with open(scratch, "wb") as fh:
         left = out_bytes
         while left > 0:
             left -= fh.write(view[: min(left, len(view))])
-    write = time.perf_counter() - t0
+        write = time.perf_counter() - t0
+        fh.flush()
+        os.fsync(fh.fileno())
+    durable = time.perf_counter() - t0
     scratch.unlink()
-    return read, write
+    return read, write, durable
 
 
 def mergekit_config(case: Case, base: Path, agents: list[Path]) -> str:
@@ -146,7 +162,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="0.5b")
     ap.add_argument("--layers", type=int, default=None, help="trim the shape to this many layers")
-    ap.add_argument("--methods", default="ram,ram+,ram+tl,task_arithmetic,linear,ties")
+    ap.add_argument("--methods", default=",".join(CASES))
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench-data")
     ap.add_argument("--out-dir", type=Path, default=None,
                     help="where merge outputs (and the floor's scratch file) go; default: the workdir. "
@@ -156,6 +172,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--repeat", type=int, default=1, help="runs per rlmerge row; the median is reported")
+    ap.add_argument("--no-fsync", action="store_true",
+                    help="rlmerge leaves its output to the OS to write back, as mergekit does (merge(fsync=False))")
     ap.add_argument("--torch-path", action="store_true",
                     help="also time each method on the torch kernels (RLMERGE_FAST=0): the before/after")
     args = ap.parse_args()
@@ -170,10 +188,10 @@ def main() -> None:
     in_bytes, out_bytes = sum(f.stat().st_size for f in inputs), inputs[0].stat().st_size
     args.out_dir = args.out_dir or args.workdir
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    read_s, write_s = floor(inputs, out_bytes, args.out_dir / "floor.tmp")
+    read_s, write_s, durable_s = floor(inputs, out_bytes, args.out_dir / "floor.tmp")
     floor_s = read_s + write_s
     print(f"floor: read {in_bytes / 1e9:.2f} GB in {read_s:.2f} s + write {out_bytes / 1e9:.2f} GB in "
-          f"{write_s:.2f} s = {floor_s:.2f} s", flush=True)
+          f"{write_s:.2f} s = {floor_s:.2f} s (write + fsync: {durable_s:.2f} s)", flush=True)
     mk_bin = args.mergekit / "bin" / "mergekit-yaml"
     use_mk = not args.no_mergekit and mk_bin.is_file()
     keys = [k for k in args.methods.split(",") if CASES[k].rlmerge in REGISTRY]
@@ -183,12 +201,13 @@ def main() -> None:
     rows = [bench_case(k, CASES[k], base, agents, args, floor_s, mk_bin if use_mk else None) for k in keys]
     if args.torch_path:
         rows += [bench_case(k, CASES[k], base, agents, args, floor_s, None, torch_path=True) for k in keys]
-    for theirs, _, _ in MK_DONE.values():
+    for theirs, *_ in MK_DONE.values():
         shutil.rmtree(theirs, ignore_errors=True)
     print_table(rows, floor_s, tag)
     if args.json:
         args.json.write_text(json.dumps({"set": tag, "floor_s": floor_s, "read_s": read_s, "write_s": write_s,
-                                         "rows": rows}, indent=2))
+                                         "write_fsync_s": durable_s, "fsync": not args.no_fsync, "rows": rows},
+                                        indent=2))
 
 
 def bench_case(key: str, case: Case, base: Path, agents: list[Path], args: argparse.Namespace, floor_s: float,
@@ -197,18 +216,22 @@ def bench_case(key: str, case: Case, base: Path, agents: list[Path], args: argpa
     ours = work / f"out-{key}"
     shutil.rmtree(ours, ignore_errors=True)
     job = {"base": str(base), "agents": [str(a) for a in agents], "out": str(ours), "method": case.rlmerge,
-           "params": case.params, "block_size": args.block_size}
+           "params": case.params, "block_size": args.block_size, "fsync": not args.no_fsync}
     env = ["env", "RLMERGE_FAST=0"] if torch_path else []
     runs = []
     for _ in range(max(1, args.repeat)):  # the machine is shared and noisy: median of the repeats
         shutil.rmtree(ours, ignore_errors=True)
-        wall, rss, out = run_child([*env, sys.executable, str(Path(__file__).parent / "_child.py"), json.dumps(job)])
-        runs.append((wall, json.loads(out.strip().splitlines()[-1])["seconds"], rss))
+        wall, rss, out, sync = run_child([*env, sys.executable, str(Path(__file__).parent / "_child.py"),
+                                          json.dumps(job)])
+        runs.append((wall, json.loads(out.strip().splitlines()[-1])["seconds"], rss, sync))
     wall, merge_s = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    sync = statistics.median(r[3] for r in runs)
     rss = max(r[2] for r in runs)
     key = f"{key} (torch path)" if torch_path else key
-    row = {"method": key, "wall_s": wall, "merge_s": merge_s, "rss_gb": rss, "x_floor": merge_s / floor_s}
-    print(f"rlmerge {key}: wall {wall:.1f} s, merge {merge_s:.1f} s, peak RSS {rss:.2f} GB", flush=True)
+    row = {"method": key, "wall_s": wall, "merge_s": merge_s, "sync_s": sync, "rss_gb": rss,
+           "x_floor": merge_s / floor_s}
+    print(f"rlmerge {key}: wall {wall:.1f} s (+ sync {sync:.1f} s), merge {merge_s:.1f} s, peak RSS {rss:.2f} GB",
+          flush=True)
     if mk_bin is not None and case.mergekit is not None:
         text = mergekit_config(case, base, agents)
         if text not in MK_DONE:  # one mergekit run per distinct config (ram+ and ram+tl share ramplus_tl)
@@ -216,18 +239,20 @@ def bench_case(key: str, case: Case, base: Path, agents: list[Path], args: argpa
             shutil.rmtree(theirs, ignore_errors=True)
             cfg = work / f"mk-{len(MK_DONE)}.yml"
             cfg.write_text(text)
-            mk_wall, mk_rss, _ = run_child([str(mk_bin), str(cfg), str(theirs), "--no-copy-tokenizer",
-                                            "--no-write-model-card", "--quiet"])
-            MK_DONE[text] = (theirs, mk_wall, mk_rss)
-            print(f"mergekit {case.mergekit}: wall {mk_wall:.1f} s, peak RSS {mk_rss:.2f} GB", flush=True)
-        theirs, mk_wall, mk_rss = MK_DONE[text]
-        row.update({"mk_method": case.mergekit, "mk_wall_s": mk_wall, "mk_rss_gb": mk_rss,
-                    "x_mergekit": mk_wall / wall, "max_abs_diff": max_abs_diff(ours, theirs)})
+            mk_wall, mk_rss, _, mk_sync = run_child([str(mk_bin), str(cfg), str(theirs), "--no-copy-tokenizer",
+                                                     "--no-write-model-card", "--quiet"])
+            MK_DONE[text] = (theirs, mk_wall, mk_rss, mk_sync)
+            print(f"mergekit {case.mergekit}: wall {mk_wall:.1f} s (+ sync {mk_sync:.1f} s), peak RSS "
+                  f"{mk_rss:.2f} GB", flush=True)
+        theirs, mk_wall, mk_rss, mk_sync = MK_DONE[text]
+        row.update({"mk_method": case.mergekit, "mk_wall_s": mk_wall, "mk_sync_s": mk_sync, "mk_rss_gb": mk_rss,
+                    "x_mergekit": mk_wall / wall, "x_mergekit_on_disk": (mk_wall + mk_sync) / (wall + sync),
+                    "max_abs_diff": max_abs_diff(ours, theirs)})
     shutil.rmtree(ours, ignore_errors=True)
     return row
 
 
-MK_DONE: dict[str, tuple[Path, float, float]] = {}  # mergekit config → (output, wall s, peak RSS GB)
+MK_DONE: dict[str, tuple[Path, float, float, float]] = {}  # mergekit config → (output, wall s, RSS GB, sync s)
 
 
 def warm_up(methods: list[Case], work: Path) -> None:
@@ -245,13 +270,17 @@ def warm_up(methods: list[Case], work: Path) -> None:
 
 
 def print_table(rows: list[dict], floor_s: float, tag: str) -> None:
-    print(f"\n| method ({tag}) | wall s | merge s | peak RSS GB | × floor ({floor_s:.2f} s) | mergekit | "
-          "mergekit wall s | mergekit RSS GB | × faster than mergekit | max |diff| vs mergekit |")
-    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    """wall: the process's life; + sync: what it left for the disk to write; × mergekit: wall against wall
+    (mergekit leaves its output in the page cache), and with both outputs on disk (wall + sync each)."""
+    print(f"\n| method ({tag}) | wall s | + sync s | merge s | peak RSS GB | × floor ({floor_s:.2f} s) | mergekit | "
+          "mergekit wall s | + sync s | mergekit RSS GB | × mergekit (wall) | × mergekit (on disk) | "
+          "max |diff| vs mergekit |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        mk = (f"{r['mk_method']} | {r['mk_wall_s']:.1f} | {r['mk_rss_gb']:.2f} | {r['x_mergekit']:.1f}× | "
-              f"{r['max_abs_diff']:.3g}") if "mk_wall_s" in r else "— | — | — | — | —"
-        print(f"| {r['method']} | {r['wall_s']:.1f} | {r['merge_s']:.1f} | {r['rss_gb']:.2f} | "
+        mk = (f"{r['mk_method']} | {r['mk_wall_s']:.1f} | {r['mk_sync_s']:.1f} | {r['mk_rss_gb']:.2f} | "
+              f"{r['x_mergekit']:.1f}× | {r['x_mergekit_on_disk']:.1f}× | {r['max_abs_diff']:.3g}"
+              ) if "mk_wall_s" in r else "— | — | — | — | — | — | —"
+        print(f"| {r['method']} | {r['wall_s']:.1f} | {r['sync_s']:.1f} | {r['merge_s']:.1f} | {r['rss_gb']:.2f} | "
               f"{r['x_floor']:.1f}× | {mk} |")
 
 

@@ -197,3 +197,27 @@ def test_console_script_runs(example, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     proc = subprocess.run([str(exe), "merge", str(base), "-o", str(tmp_path / "m3")], capture_output=True, text=True)
     assert proc.returncode == 2 and "need BASE and at least one AGENT" in proc.stderr
+
+
+def test_fsync_by_default_and_no_fsync_writes_the_same_files(example, tmp_path: Path, monkeypatch) -> None:
+    """Shards are flushed to disk (and their writeback started early) unless --no-fsync; the files are the same."""
+    import os
+
+    from rlmerge import writer
+
+    synced, started = [], []
+    real_fsync = os.fsync
+    monkeypatch.setattr(writer.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    monkeypatch.setattr(writer, "WRITEBACK_CHUNK", 4096)
+    monkeypatch.setattr(writer, "start_writeback", lambda *a: started.append(a))
+    base, agents = example
+    argv = ["merge", str(base), *map(str, agents), "-q", "--method", "ram"]
+    assert main([*argv, "-o", str(tmp_path / "a")]) == 0
+    assert synced and started
+    synced.clear(), started.clear()
+    assert main([*argv, "-o", str(tmp_path / "b"), "--no-fsync"]) == 0
+    assert not synced and not started
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "b").iterdir())
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f

@@ -79,6 +79,8 @@ def merge_command(
     force: Annotated[bool, typer.Option(help="replace an existing output folder")] = False,
     resume: Annotated[bool, typer.Option(help="continue an interrupted merge after its last complete shard")]
     = False,
+    fsync: Annotated[bool, typer.Option(help="flush the output to disk before reporting success (--no-fsync: "
+                                              "leave it to the OS, as transformers and mergekit do)")] = True,
     allow_missing: o.AllowMissing = False,
     count_tied_twice: o.CountTiedTwice = False,
     seed: Annotated[int | None, typer.Option(help="seed for random methods")] = None,
@@ -94,7 +96,7 @@ def merge_command(
     options["allow_missing"] = allow_missing or options.get("allow_missing", False)
     options["count_tied_twice"] = count_tied_twice or options.get("count_tied_twice", False)
     res = merge(job.base, job.agents, output, method=job.method, params=job.params, dtype=job.dtype, force=force,
-                quiet=quiet or json_out, recipe=job.raw, resume=resume, **options)
+                quiet=quiet or json_out, recipe=job.raw, resume=resume, fsync=fsync, **options)
     for w in res.warnings:
         err.print(f"[yellow]warning:[/] {w}")
     if json_out:
