@@ -161,7 +161,7 @@ class FastPath:
         block = -(-block_size // kernels.TILE) * kernels.TILE
         self.block = max(1, min(block, max((j.numel for j in plan.merge_jobs), default=1)))
         n = len(plan.agents)
-        self.slots = [_Slot(n, self.block) for _ in range(2)]
+        self.slots = [_Slot(n, self.block) for _ in range(4)]
         self.threads = compute_threads()
         self.hist = np.zeros((self.threads, *kernels.hist_shape(n)), dtype=np.int64)  # per compute thread
         self.gram = np.zeros((self.threads, n, n), dtype=np.float64)
