@@ -15,7 +15,7 @@ import rlmerge
 from conftest import TINY
 from rlmerge import kernels
 from rlmerge.errors import InputError
-from rlmerge.methods._select import HI_BINS, LO_BINS, KthLargest
+from rlmerge.methods._select import BINS, KthLargest
 from rlmerge.synthetic import make_example
 from test_fastpath import _edge_models, _same_bytes, same_counts
 
@@ -124,20 +124,27 @@ def test_histogram_counts_equal_fed_values() -> None:
     base = (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16)
     agents = torch.stack([(base.float() + torch.randn(5000, generator=g) * 1e-3).to(torch.bfloat16)
                           for _ in range(2)])
+    agents[0, :4000] = base[:4000]  # a sparse agent: a long run of τ = 0 (one digit, many sub-histograms)
     tau = agents.float() - base.float()
-    fed, counted = (KthLargest(n_streams=2, streams=[0, 1, 1]) for _ in range(2))
-    b16, a16 = base.view(torch.int16).numpy().view(np.uint16), agents.view(torch.int16).numpy().view(np.uint16)
-    fed.feed(tau)
-    hist = np.zeros((2, HI_BINS), dtype=np.int64)
-    kernels.gta_hist_hi(b16, a16, 0, 5000, hist)
-    counted.add_counts(hist)
-    for sel in (fed, counted):
-        sel.next_round([10, 1, 4000])
-    fed.feed(tau)
-    lo = np.zeros((3, LO_BINS), dtype=np.int64)
-    kernels.gta_hist_lo(b16, a16, 0, 5000, counted.streams, counted.bin_hi, lo)
-    counted.add_counts(lo)
-    for sel in (fed, counted):
-        sel.next_round()
-    want = [torch.sort(tau[t].abs(), descending=True).values[k - 1].item() for t, k in ((0, 10), (1, 1), (1, 4000))]
+    fed, counted = (KthLargest(n_streams=2, streams=[0, 1, 1, 0]) for _ in range(2))
+    b16 = base.view(torch.int16).numpy().view(np.uint16)
+    a16 = tuple(a.view(torch.int16).numpy().view(np.uint16) for a in agents)
+    ranks = [10, 1, 4000, 4500]  # the last one falls among agent 0's zeros: answered after round 0
+    while not counted.done:
+        fed.feed(tau)
+        if counted.round == 0:
+            hist = np.zeros((2, kernels.SUBHISTS, BINS[0] + 1), dtype=np.int64)
+            kernels.gta_hist_first(b16, a16, 0, 5000, hist)
+            counted.add_counts(hist.sum(1))
+        else:
+            hist = np.zeros((4, BINS[counted.round] + 8), dtype=np.int64)
+            kernels.gta_hist_next(b16, a16, 0, 5000, counted.streams, counted.prefix, counted.active,
+                                  *counted.digit, hist)
+            counted.add_counts(hist[:, :BINS[counted.round]])
+        for sel in (fed, counted):
+            sel.next_round(ranks if sel.round == 0 else None)
+        assert not counted.active[3]
+    assert fed.done
+    want = [torch.sort(tau[t].abs(), descending=True).values[k - 1].item() for t, k in zip((0, 1, 1, 0), ranks)]
+    assert want[3] == 0.0
     assert fed.values().tolist() == counted.values().tolist() == want

@@ -48,23 +48,24 @@ def _prune_tile(base, agents, lo, m, u, dens, rescale, factor, w, b32, wtd):  # 
     bad = False
     for j in range(m):
         b32[j] = _dec(base[lo + j])
-    for t in range(agents.shape[0]):
+    for t in range(len(agents)):
         d, f, wt = dens[t], factor[t], w[t]
         ut = u[t]
         row = wtd[t]
+        a = agents[t]
         if rescale == RESCALE_INVERSE:
             for j in range(m):
-                x = _dec(agents[t, lo + j]) - b32[j]
+                x = _dec(a[lo + j]) - b32[j]
                 bad |= not np.isfinite(x)
                 row[j] = ((x * (one if ut[j] < d else zero)) / d) * wt
         elif rescale == RESCALE_L1:
             for j in range(m):
-                x = _dec(agents[t, lo + j]) - b32[j]
+                x = _dec(a[lo + j]) - b32[j]
                 bad |= not np.isfinite(x)
                 row[j] = ((x * (one if ut[j] < d else zero)) * f) * wt
         else:
             for j in range(m):
-                x = _dec(agents[t, lo + j]) - b32[j]
+                x = _dec(a[lo + j]) - b32[j]
                 bad |= not np.isfinite(x)
                 row[j] = (x * (one if ut[j] < d else zero)) * wt
     return bad
@@ -78,7 +79,7 @@ def merge_range(base, agents, lo, hi, start, seeds, dens, rescale, factor, w, el
     base [n], agents [N, n] stored values; seeds [N, chunks of the tensor] uint32 (the low 32 bits of
     _ops.chunk_seed: all that manual_seed keeps); dens, factor, w [N] float32; out [n]. True: τ not finite.
     """
-    n_agents = agents.shape[0]
+    n_agents = len(agents)
     states = np.empty((n_agents, mt.STATE), dtype=np.uint32)
     idx = np.empty(n_agents, dtype=np.uint64)
     u = np.empty((n_agents, TILE), dtype=np.float32)
@@ -141,7 +142,7 @@ def l1_range(base, agents, lo, hi, start, seeds, dens, carry, part):  # type: ig
     piece; the block's first piece starts from ``carry`` [2, N, 8] (a chunk begun in the previous block).
     ``fold`` then adds the finished chunks in order. True: τ not finite.
     """
-    n_agents = agents.shape[0]
+    n_agents = len(agents)
     states = np.empty((n_agents, mt.STATE), dtype=np.uint32)
     idx = np.empty(n_agents, dtype=np.uint64)
     u = np.empty((n_agents, TILE), dtype=np.float32)
@@ -172,8 +173,9 @@ def l1_range(base, agents, lo, hi, start, seeds, dens, carry, part):  # type: ig
             for t in range(n_agents):
                 d = dens[t]
                 ut = u[t]
+                at = agents[t]
                 for j in range(m):
-                    x = _dec(agents[t, pos + j]) - b32[j]
+                    x = _dec(at[pos + j]) - b32[j]
                     bad |= not np.isfinite(x)
                     a = np.float64(abs(x))
                     va[j] = a

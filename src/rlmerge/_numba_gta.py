@@ -1,7 +1,7 @@
 """numba kernels for the sparsify-then-combine baselines (TIES, Breadcrumbs; see kernels.py and fastgta.py).
 
-Two histogram kernels give the exact order statistics of |τ| (the same two-level radix select as
-methods/_select.py: high 16 bits of the float32 pattern, then the low 16 bits inside one bin), and one
+Two histogram kernels give the exact order statistics of |τ| (the same radix select as methods/_select.py:
+one digit of the float32 pattern per round, later rounds inside the bin the earlier ones fixed), and one
 kernel does the merge rule of methods/gta.py element by element: keep window, weights, sign election,
 disjoint mean, scaling, rounding. Every float32 operation is the torch path's, in the same order, with no
 fast-math, so the bytes written are identical (tests/test_fastgta.py).
@@ -16,34 +16,58 @@ from ._numba_kernels import _dec, _f32_as_u32, _put
 from .kernels import TILE
 
 _ABS = np.uint32(0x7FFFFFFF)
-_SIXTEEN = np.uint32(16)
-_LOW = np.uint32(0xFFFF)
 
 
 @njit(nogil=True, cache=True)
-def hist_hi(base, agents, lo, hi, hist):  # type: ignore[no-untyped-def]
-    """hist[t, high 16 bits of |τ_t|] += 1 over elements [lo, hi); True when a τ is not finite."""
-    bad = False
-    for t in range(agents.shape[0]):
-        row = hist[t]
-        for j in range(lo, hi):
-            x = _dec(agents[t, j]) - _dec(base[j])
-            bad |= not np.isfinite(x)
-            row[(_f32_as_u32(x) & _ABS) >> _SIXTEEN] += 1
-    return bad
+def hist_first(base, agents, lo, hi, hist):  # type: ignore[no-untyped-def]
+    """hist[t, j % S, bits 30–20 of |τ_t|] += 1 over elements [lo, hi), exact zeros in column BINS[0] instead
+    (round 0 of methods/_select.py).
+
+    S = hist.shape[1] sub-histograms: a run of one key (the zeros of a sparse agent) would otherwise serialise
+    on one counter. Keys are computed a tile at a time in a loop that vectorises, then counted: one loop doing
+    both ran 5× slower. A non-finite τ lands at or above kernels.GTA_NONFINITE_BIN.
+    """
+    zero_key = np.uint32(hist.shape[2] - 1)
+    subs = np.uint32(hist.shape[1] - 1)  # a power of two
+    keys = np.empty(TILE, dtype=np.uint32)
+    for t in range(len(agents)):
+        a = agents[t]
+        h = hist[t]
+        for start in range(np.uint64(lo), np.uint64(hi), np.uint64(TILE)):
+            m = min(np.uint64(TILE), np.uint64(hi) - start)
+            for j in range(m):
+                u = _f32_as_u32(_dec(a[start + j]) - _dec(base[start + j])) & _ABS
+                keys[j] = zero_key if u == np.uint32(0) else u >> np.uint32(20)
+            for j in range(m):
+                h[np.uint32(j) & subs, keys[j]] += 1
 
 
 @njit(nogil=True, cache=True)
-def hist_lo(base, agents, lo, hi, streams, bins, hist):  # type: ignore[no-untyped-def]
-    """hist[q, low 16 bits of |τ_t|] += 1 for the elements whose high bits are bins[q] (t = streams[q])."""
+def hist_next(base, agents, lo, hi, streams, prefix, active, shift, width, hist):  # type: ignore[no-untyped-def]
+    """hist[q, digit of |τ_t| at ``shift``, ``width`` bits] += 1 for the elements whose bits above that digit
+    equal prefix[q] (t = streams[q]), for the active queries: a later round of methods/_select.py.
+
+    Keys a tile at a time, then counted; the elements outside the query's bin go to 8 spare columns past the
+    digit's (hist [Q, 2^width + 8] at least), which keeps the counting loop free of branches.
+    """
+    mask = np.uint32((1 << width) - 1)
+    above = np.uint32(shift + width)
+    sh = np.uint32(shift)
+    spare = np.uint32(1 << width)
+    keys = np.empty(TILE, dtype=np.uint32)
     for q in range(streams.shape[0]):
-        t = streams[q]
-        target = np.uint32(bins[q])
-        row = hist[q]
-        for j in range(lo, hi):
-            u = _f32_as_u32(_dec(agents[t, j]) - _dec(base[j])) & _ABS
-            if (u >> _SIXTEEN) == target:
-                row[u & _LOW] += 1
+        if not active[q]:
+            continue
+        a = agents[streams[q]]
+        target = np.uint32(prefix[q])
+        h = hist[q]
+        for start in range(np.uint64(lo), np.uint64(hi), np.uint64(TILE)):
+            m = min(np.uint64(TILE), np.uint64(hi) - start)
+            for j in range(m):
+                u = _f32_as_u32(_dec(a[start + j]) - _dec(base[start + j])) & _ABS
+                keys[j] = ((u >> sh) & mask) if (u >> above) == target else spare + (np.uint32(j) & np.uint32(7))
+            for j in range(m):
+                h[keys[j]] += 1
 
 
 @njit(nogil=True, cache=True)
@@ -53,10 +77,11 @@ def _tile(base, agents, lo, m, keep_lo, keep_hi, w, elect, normalize, div, scali
     one = np.float32(1.0)
     for j in range(m):
         b32[j] = _dec(base[lo + j])
-    for t in range(agents.shape[0]):  # prune_block, then · w_t: τ · keep · w_t (× 0.0 keeps the sign of zero)
+    for t in range(len(agents)):  # prune_block, then · w_t: τ · keep · w_t (× 0.0 keeps the sign of zero)
         lt, ht, wt = keep_lo[t], keep_hi[t], w[t]
+        at = agents[t]
         for j in range(m):
-            x = _dec(agents[t, lo + j]) - b32[j]
+            x = _dec(at[lo + j]) - b32[j]
             a = abs(x)
             wtd[t, j] = (x * (one if (a >= lt and a <= ht) else zero)) * wt
     combine_tile(wtd, b32, lo, m, w, elect, normalize, div, scaling, apply_scaling, out, total, den, sgn)
@@ -106,8 +131,9 @@ def combine_tile(wtd, b32, lo, m, w, elect, normalize, div, scaling, apply_scali
 @njit(nogil=True, cache=True)
 def merge_range(base, agents, lo, hi, keep_lo, keep_hi, w, elect, normalize, div, scaling,  # type: ignore[no-untyped-def]
                 apply_scaling, out):
-    """Elements [lo, hi) of one block: θ₀ + scaling · combine(prune(τ) · w) into out [n]; see gta.py."""
-    n_agents = agents.shape[0]
+    """Elements [lo, hi) of one block: θ₀ + scaling · combine(prune(τ) · w) into out [n]; see gta.py.
+    ``agents``: a tuple of N arrays [n]."""
+    n_agents = len(agents)
     wtd = np.empty((n_agents, TILE), dtype=np.float32)
     b32 = np.empty(TILE, dtype=np.float32)
     total = np.empty(TILE, dtype=np.float32)

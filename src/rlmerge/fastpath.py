@@ -211,14 +211,13 @@ class FastPath:
             for m in (self.plan.base, *self.plan.agents):
                 self.mapped.advise(m, job.name, start, stop, advice)
 
-    def blocks(self, jobs: list[Job], passes: Callable[[Job], int] | None = None, *, stacked: bool = False,
-               ) -> Iterator[tuple[Job, int, int, _Slot, np.ndarray, Any]]:
+    def blocks(self, jobs: list[Job], passes: Callable[[Job], int] | None = None,
+               ) -> Iterator[tuple[Job, int, int, _Slot, np.ndarray, tuple[np.ndarray, ...]]]:
         """Every block of ``jobs`` in order (each job's blocks ``passes(job)`` times over).
 
-        A block's agents come as a tuple of [n] views of the mapped files (``stacked``: one [N, n] copy, for
-        kernels that take a 2-D array); a tensor that cannot be viewed in place is copied into a slot by
-        the reader thread while the previous block is computed. The next block's pages are requested ahead,
-        a finished block's pages are released.
+        A block's agents come as a tuple of [n] views of the mapped files; a tensor that cannot be viewed in
+        place is copied into a slot by the reader thread while the previous block is computed. The next
+        block's pages are requested ahead, a finished block's pages are released.
         """
         spans = [(j, s, min(s + self.block, j.numel)) for j in jobs for _ in range(passes(j) if passes else 1)
                  for s in range(0, j.numel, self.block)]
@@ -227,17 +226,17 @@ class FastPath:
             slot = self.slots[k % 2]
             if slot.written is not None:  # its output buffer must be written before it is reused
                 slot.written.result()
-            views = None if stacked or pending is not None else self._views(job, start, stop)
+            views = None if pending is not None else self._views(job, start, stop)
             if views is None:
                 if pending is None:
                     pending = self._reader.submit(self._read, slot, job, start, stop)
                 base, agents = pending.result()
-                views = (base, agents if stacked else tuple(agents))
+                views = (base, tuple(agents))
             pending = None
             if k + 1 < len(spans):
                 nxt = spans[k + 1]
                 self._advise(*nxt, WILLNEED)
-                if stacked or self._views(*nxt) is None:  # a copy: read it while this block is computed
+                if self._views(*nxt) is None:  # a copy: read it while this block is computed
                     pending = self._reader.submit(self._read, self.slots[(k + 1) % 2], *nxt)
             yield job, start, stop, slot, views[0], views[1]
             self._advise(job, start, stop, DONTNEED)
@@ -252,9 +251,8 @@ class FastPath:
             self.gram[:] = 0.0
         mode = args.mode if out is not None else kernels.MODE_STATS
         dest = out if out is not None else self._dummy_out
-        rows = tuple(agents)  # the kernel takes one array per agent: N is then part of its type
         bad = self.parallel(n, lambda k, lo, hi: kernels.fused_range(
-            mode, base, rows, lo, hi, args.eps, args.lam, args.w, args.normalize, args.div, args.scaling, dest,
+            mode, base, agents, lo, hi, args.eps, args.lam, args.w, args.normalize, args.div, args.scaling, dest,
             self.hist[k] if ts is not None else None, self.gram[k] if ts is not None else None, self.exact_gram))
         if any(bad):
             self.raise_non_finite(job, start, base, agents)
@@ -313,11 +311,10 @@ def stats_args(n_agents: int, eps: float) -> KernelArgs:
 
 
 def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar: Any,
-                         also: Callable[[Job, int, np.ndarray, np.ndarray], None] | None = None) -> None:
-    """The statistics of ``jobs`` (all eligible) through the fused kernel; ``also`` sees every block too (as
-    one [N, n] array)."""
+                         also: Callable[[Job, int, np.ndarray, tuple[np.ndarray, ...]], None] | None = None) -> None:
+    """The statistics of ``jobs`` (all eligible) through the fused kernel; ``also`` sees every block too."""
     args = stats_args(len(fast.plan.agents), stats.epsilon)
-    for job, start, stop, _slot, base, agents in fast.blocks(jobs, stacked=also is not None):
+    for job, start, stop, _slot, base, agents in fast.blocks(jobs):
         fast.run(job, start, base, agents, args, None, stats.for_tensor(job.name, job.numel, job.weight))
         if also is not None:
             also(job, start, base, agents)

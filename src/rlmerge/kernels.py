@@ -54,18 +54,21 @@ def fused_range(mode: int, base: Any, agents: tuple[Any, ...], lo: int, hi: int,
     return bool(RANGES[mode](base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact))
 
 
-def gta_hist_hi(*args: Any) -> bool:
-    """High-16-bit histogram of |τ_t| per agent over [lo, hi) (see _numba_gta.hist_hi); True if τ not finite."""
-    from ._numba_gta import hist_hi
-
-    return bool(hist_hi(*args))
+GTA_NONFINITE_BIN = 0x7F800000 >> 20  # round-0 bins of |τ| patterns at or above inf (exponent all ones)
 
 
-def gta_hist_lo(*args: Any) -> None:
-    """Low-16-bit histogram inside one high bin per query (see _numba_gta.hist_lo)."""
-    from ._numba_gta import hist_lo
+def gta_hist_first(*args: Any) -> None:
+    """Round 0 of the |τ| selection: hist[t, j % S, digit 0 of |τ_t|] += 1 over [lo, hi) (_numba_gta)."""
+    from ._numba_gta import hist_first
 
-    hist_lo(*args)
+    hist_first(*args)
+
+
+def gta_hist_next(*args: Any) -> None:
+    """A later round: digit counts of the |τ| whose higher digits equal each query's prefix (_numba_gta)."""
+    from ._numba_gta import hist_next
+
+    hist_next(*args)
 
 
 def gta_merge_range(*args: Any) -> None:

@@ -264,8 +264,7 @@ def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepar
     fast = fast if not stats.thresholds else None
     fast_jobs = [j for j in pending if eligible(plan, j)] if fast is not None else []
     passes = gta.passes if gta is not None else None  # TIES reads a large tensor 3 times (2 selection rounds)
-    # the TIES kernels take the agents as one [N, n] array
-    fast_blocks = fast.blocks(list(fast_jobs), passes, stacked=gta is not None) if fast is not None else iter(())
+    fast_blocks = fast.blocks(list(fast_jobs), passes) if fast is not None else iter(())
     out = OrderedWriter(writer, fast)  # fast path: writes queued on a writer thread, in plan order
     with progress.task("merge", total=sum(j.out_nbytes for j in pending), tensors=len(pending)) as bar:
         for job in pending:

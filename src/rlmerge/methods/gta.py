@@ -203,8 +203,8 @@ class GtaObserver:
         self.preset, self.params, self.n = preset, params, n
         self.density = per_agent(params.density, n, "gta", "density")
         self.gamma = per_agent(getattr(params, "gamma", 0.0), n, "gta", "gamma")
-        self.bounds: dict[str, torch.Tensor] = {}  # tensor → [2, N] (lo, hi) on |τ|
-        self.l1: dict[str, torch.Tensor] = {}  # tensor → [N] rescale factors
+        self.bounds: dict[str, np.ndarray] = {}  # tensor → [2, N] float32 (lo, hi) on |τ|
+        self.l1: dict[str, np.ndarray] = {}  # tensor → [N] float32 rescale factors
         self.warnings: tuple[str, ...] = ()
         self._sel: KthLargest | None = None
         self._queries: list[tuple[int, int, int]] = []  # (agent, side 0=lo/1=hi, rank)
@@ -264,8 +264,8 @@ class GtaObserver:
         self._sel = KthLargest(n_streams=self.n, streams=streams) if streams else None
         self.bounds[name] = self._default_bounds(numel)
 
-    def _default_bounds(self, numel: int) -> torch.Tensor:
-        b = torch.tensor([[0.0] * self.n, [INF] * self.n], dtype=torch.float32)
+    def _default_bounds(self, numel: int) -> np.ndarray:
+        b = np.array([[0.0] * self.n, [INF] * self.n], dtype=np.float32)
         for t in range(self.n):
             lo, _ = _ranks(self.preset.prune, numel, self.density[t], self.gamma[t])
             if lo == 0:
@@ -275,7 +275,7 @@ class GtaObserver:
     def again(self, name: str | None) -> bool:
         """After a tensor (``name``) or the whole model (None): True asks the engine to stream it again."""
         if name is not None and self.needs_l1:
-            self.l1[name] = torch.from_numpy(l1_factors(self._l1_acc[0].total, self._l1_acc[1].total))
+            self.l1[name] = l1_factors(self._l1_acc[0].total, self._l1_acc[1].total)
         global_ = self.preset.prune == "magnitude-global"
         if (name is None) != global_ or self._sel is None:
             return False
@@ -284,19 +284,22 @@ class GtaObserver:
             ranks = ([_ranks("magnitude-global", self._global_numel, d, 0.0)[0] or 1 for d in self.density]
                      if global_ else [q[2] for q in self._queries])
             sel.next_round(ranks)
+        else:
+            sel.next_round()
+        if not sel.done:
             return True
-        sel.next_round()
         values = sel.values()
         if global_:
-            lo = torch.where(torch.tensor(self.density) >= 1.0, 0.0, values)
-            self.bounds[""] = torch.stack([lo, torch.full_like(lo, INF)])
+            lo = np.where(np.array(self.density) >= 1.0, np.float32(0.0), values).astype(np.float32)
+            self.bounds[""] = np.stack([lo, np.full_like(lo, INF)])
         else:
             for (t, side, _), v in zip(self._queries, values.tolist()):
                 self.bounds[name][side, t] = v  # type: ignore[index]
         self._sel = None
         return False
 
-    def window(self, name: str) -> torch.Tensor:
+    def window(self, name: str) -> np.ndarray:
+        """[2, N] float32: keep |τ_t| in [lo_t, hi_t]."""
         return self.bounds[""] if self.preset.prune == "magnitude-global" else self.bounds[name]
 
 
@@ -307,7 +310,7 @@ def prune_block(preset: Preset, obs: GtaObserver, deltas: torch.Tensor,
     n_agents, n = deltas.shape
     numel = math.prod(ctx.shape)
     if preset.prune in ("magnitude", "magnitude-global", "outliers"):
-        lo, hi = obs.window(ctx.name).to(deltas.device)
+        lo, hi = torch.from_numpy(obs.window(ctx.name)).to(deltas.device)
         return deltas * keep_window(deltas.abs(), lo, hi), None
     u = torch.stack([uniform(ctx.seed, t, ctx.name, numel, ctx.start, ctx.stop) for t in range(n_agents)])
     u = u.to(deltas.device)
@@ -336,7 +339,7 @@ def _merge(preset: Preset, base: torch.Tensor, deltas: torch.Tensor, params: Any
     if rescale == "inverse" and prob is not None:
         pruned = pruned / prob
     elif rescale == "l1":
-        pruned = pruned * obs.l1[ctx.name].to(deltas.device).unsqueeze(-1)
+        pruned = pruned * torch.from_numpy(obs.l1[ctx.name]).to(deltas.device).unsqueeze(-1)
     weighted = pruned * w.unsqueeze(-1)
     mask = agree(weighted, elect_sign(weighted)) if preset.sign_election else None
     normalize = preset.normalize if params.normalize is None else params.normalize
