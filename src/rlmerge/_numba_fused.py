@@ -135,19 +135,20 @@ def _gram32(tau, m, gram):  # type: ignore[no-untyped-def]
     return bad
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def _gram64(tau, m, gram):  # type: ignore[no-untyped-def]
-    """The tile's Gram matrix in float64 (the rare tile that overflows float32); True if a τ is not finite."""
+    """The tile's Gram matrix from float64 products (exact: a product of two float32 is a float64), summed in
+    a vectorised order; True if a τ is not finite (a float64 sum of finite float32 squares cannot overflow).
+    For model_stock, which merges with it, and for the rare tile whose float32 sum of squares overflows."""
     n_agents = tau.shape[0]
     bad = False
     for a in range(n_agents):
-        for j in range(m):
-            if not np.isfinite(tau[a, j]):
-                bad = True
         for q in range(a, n_agents):
             acc = 0.0
             for j in range(m):
                 acc += np.float64(tau[a, j]) * np.float64(tau[q, j])
+            if a == q and not np.isfinite(acc):
+                bad = True
             gram[a, q] += acc
     return bad
 
