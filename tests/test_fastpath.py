@@ -254,3 +254,28 @@ def test_report_does_not_depend_on_block_size_or_threads(example, tmp_path: Path
         rlmerge.merge(base, agents, out, method="ram", **kw)
         reports.add((out / "rlmerge-report.json").read_bytes())
     assert len(reports) == 1
+
+
+def test_a_file_that_shrinks_under_its_mapping_is_an_input_error(example) -> None:
+    """The fast path reads mapped files; a file cut short after it was mapped is reported before its bytes are
+    touched (touching them would be SIGBUS), naming the file and the tensor."""
+    from rlmerge.checkpoint import open_all
+    from rlmerge.mapping import Mapped
+
+    base, _ = example
+    ckpt = open_all([base])[0]
+    name = max(ckpt.tensors, key=lambda k: ckpt.tensors[k].numel)
+    mapped = Mapped()
+    view = mapped.view(ckpt, name, 0, 100)
+    assert view is not None and not view.flags.writeable
+    expected = view.copy()
+    del view
+    path = ckpt.tensors[name].file
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    with pytest.raises(InputError, match="shrank") as e:
+        mapped.view(ckpt, name, 0, 100)
+    assert str(path) in str(e.value) and name in str(e.value)
+    assert expected.size == 100
+    mapped.close()
+    ckpt.close()
