@@ -1,15 +1,18 @@
-"""The fast path of both passes: fused kernels on raw stored blocks, reads and writes overlapped.
+"""The fast path of both passes: fused kernels on the stored bytes, in place, with writes overlapped.
 
 A job takes the fast path when numba is installed, the device is the CPU, the method has a fused kernel
-(ram, ram+, task_arithmetic, linear), every agent has the tensor, and base, agents and output are
-bfloat16 or float32 safetensors. Other jobs take the torch path (blocks.py + the method's kernel) in the
-same run. The bytes written are the same either way (tests/test_fastpath.py).
+(ram, ram+, task_arithmetic, linear, model_stock here; TIES/Breadcrumbs in fastgta.py, DARE in fastdare.py),
+every agent has the tensor, and base, agents and output are bfloat16 or float32 safetensors. Other jobs take
+the torch path (blocks.py + the method's kernel) in the same run. The bytes written are the same either way
+(tests/test_fastpath.py).
 
-Overlap: a reader thread ``preadv``s block k+1 into the other of two buffer slots while the kernel
-(numba, GIL released, all cores) works on block k; a writer thread appends finished blocks to the output
-in order. Memory stays bounded by the block size: two input slots and two output slots.
+Reading: a block is a view of the memory-mapped input files (mapping.py); the next block's pages are
+requested ahead and a finished block's handed back, so the resident set is bounded by the blocks in flight.
+A tensor that cannot be viewed in place (bytes not aligned to its dtype) is copied into a slot by a reader
+thread while the previous block is computed. Computing: each block is split between the compute threads
+(numba releases the GIL). Writing: a writer thread appends finished blocks to the output in order, from one
+of four output slots, so that computing does not wait on every write.
 """
-
 from __future__ import annotations
 
 import os
