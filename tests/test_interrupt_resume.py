@@ -194,6 +194,12 @@ def test_disk_full_is_a_clear_error_and_inputs_are_untouched(example, tmp_path: 
         def __getattr__(self, name):
             return getattr(self.f, name)
 
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
     with monkeypatch.context() as m:  # the disk is full after 30 kB of shards
         m.setattr(writer_mod, "open", lambda *a, **k: FullDisk(real_open(*a, **k)), raising=False)
         code = main(["merge", *args])
@@ -278,3 +284,23 @@ def test_output_appearing_during_the_merge_is_not_replaced(example, tmp_path: Pa
     rlmerge.merge(base, agents, out, method="ram", resume=True)
     rlmerge.merge(base, agents, tmp_path / "ref", method="ram")
     assert _files(out) == _files(tmp_path / "ref")
+
+
+def test_a_shard_that_cannot_fit_fails_before_it_is_computed(example, tmp_path: Path, monkeypatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Each shard's space is reserved (fallocate) when it is opened: no space means exit 4 at once."""
+    from rlmerge import kernels
+
+    base, agents = example
+    ran = []
+    real = kernels.fused_range
+    monkeypatch.setattr(kernels, "fused_range", lambda *a: ran.append(1) or real(*a))
+
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer_mod.os, "posix_fallocate", no_space)
+    code = main(["merge", str(base), *map(str, agents), "-o", str(tmp_path / "out"), "-q", "--method", "ram"])
+    assert code == OutputError.exit_code
+    assert "the disk is full" in capsys.readouterr().err
+    assert not ran and not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

@@ -136,15 +136,20 @@ class _WriteQueue:
         return fut
 
     def _loop(self) -> None:
+        failed: BaseException | None = None  # after a failed call, the later ones fail with its error
         while (item := self._q.get()) is not None:
             fut, fn, args = item
             if self._abort:
                 fut.cancel()
             if not fut.set_running_or_notify_cancel():
                 continue
+            if failed is not None:
+                fut.set_exception(failed)
+                continue
             try:
                 fut.set_result(fn(*args))
             except BaseException as e:  # handed to whoever waits on the future
+                failed = e
                 fut.set_exception(e)
 
     def close(self, *, abort: bool) -> None:

@@ -9,6 +9,7 @@ so an interrupted run never leaves a folder that looks like a finished model.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import json
 import os
@@ -55,6 +56,17 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     fn = _sync_file_range()
     if fn is not None:
         fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE: initiate write-out of dirty pages, do not wait
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate a shard's disk space before it is written: a full disk fails before the merge computes, and the
+    writes that follow need no block allocation. A filesystem without fallocate just skips it."""
+    if hasattr(os, "posix_fallocate") and nbytes > 0:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
 
 
 def parse_size(text: str | int) -> int:
@@ -141,6 +153,13 @@ class CheckpointWriter:
         kept = self.partial.start(self.fingerprint, [s.filename for s in self.shards])
         self._next = sum(len(s.jobs) for s in self.shards[:kept])
         self._shard_i = kept - 1
+        for shard in self.shards[kept:]:  # a full disk fails now, before anything is computed
+            path = self.tmp / shard.filename
+            try:
+                with open(path, "wb") as fh:
+                    _reserve(fh.fileno(), len(shard_header(shard, self.metadata)) + shard.nbytes)
+            except OSError as e:
+                raise disk_error(e, path) from e
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -170,7 +189,7 @@ class CheckpointWriter:
         path = self.tmp / self.shards[i].filename
         header = shard_header(self.shards[i], self.metadata)
         try:
-            self._fh = open(path, "wb")  # noqa: SIM115 closed when the next shard opens or on exit
+            self._fh = open(path, "r+b")  # noqa: SIM115 reserved in __enter__; closed when the next shard opens
             self._fh.write(header)
         except OSError as e:
             raise disk_error(e, path) from e
