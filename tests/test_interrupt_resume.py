@@ -103,9 +103,25 @@ def test_sigterm_before_any_shard_leaves_nothing(example, tmp_path: Path) -> Non
     p = _cli(base, agents, out, "--shard-size", "5GB", hold=hold)  # pauses before its first write
     _wait_for(lambda: (partial_path(out) / PROGRESS).exists(), p, "the partial folder")
     p.send_signal(signal.SIGTERM)
-    assert p.wait(60) == 130
-    assert "nothing was written" in p.stderr.read()
+    rc, stderr = p.wait(60), p.stderr.read()
+    assert rc == 130 and "nothing was written" in stderr, (rc, stderr)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["hold", "in"]
+
+
+def test_an_error_while_stopping_does_not_hide_the_interrupt(example, tmp_path: Path, monkeypatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    base, agents = example
+    out = tmp_path / "out"
+    _Interrupt(monkeypatch, 0, KeyboardInterrupt())
+
+    def broken_exit(w: writer_mod.CheckpointWriter, *exc: object) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(writer_mod.CheckpointWriter, "__exit__", broken_exit)
+    assert main(["merge", str(base), *map(str, agents), "-o", str(out), *ARGS]) == 130
+    message = " ".join(capsys.readouterr().err.split())
+    assert "interrupted" in message and "while stopping: OSError" in message and "Input/output error" in message
+    assert not out.exists() and not partial_path(out).exists()
 
 
 class _Interrupt:

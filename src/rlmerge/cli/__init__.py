@@ -36,8 +36,29 @@ def _interruptible(command: Callable[..., None]) -> Callable[..., None]:
             command(*args, **kwargs)
         except KeyboardInterrupt as e:
             raise Interrupted(f"interrupted: {getattr(e, 'rlmerge_hint', None) or 'nothing was written'}") from e
+        except Exception as e:
+            # An error raised while the interrupt unwound (a cleanup step that failed) must not hide it: the run
+            # was still interrupted, and the user is told both.
+            stop = _interrupt_behind(e)
+            if stop is None:
+                raise
+            what = getattr(stop, "rlmerge_hint", None) or "nothing was written"
+            detail = e.render() if isinstance(e, RLMergeError) else f"{type(e).__name__}: {e}"
+            raise Interrupted(f"interrupted: {what} (and while stopping: {detail})") from e
 
     return run
+
+
+def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt that ``e`` was raised while handling, if any."""
+    seen: set[int] = set()
+    cur: BaseException | None = e.__context__
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, KeyboardInterrupt):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__context__
+    return None
 
 
 app.command("merge")(_interruptible(merge_command))
