@@ -136,7 +136,7 @@ def test_keep_is_u_strictly_below_p() -> None:
     out = np.empty(numel, np.float32)
     fastdare.merge_range(np.zeros(numel, np.float32), (tau[0],), 0, numel, 0, row, seeds, plo, p2e,
                          fastdare.RESCALE["none"], np.ones(1, np.float32), np.ones(1, np.float32), False, False,
-                         np.float32(1), np.float32(1), False, out)
+                         np.float32(1), np.float32(1), False, out, np.empty((1, 0), np.uint8))
     assert out[target] == 0.0 and tau[0, target] != 0.0
     keep = out != 0.0
     assert 0.2 < keep.mean() < 0.9  # the others are kept at about their p
@@ -188,13 +188,30 @@ def test_tensors_over_several_chunks_same_bytes(tmp_path: Path, monkeypatch: pyt
                          block, 7, threads)
 
 
+@pytest.mark.parametrize("cap", [None, 1000, 0])  # 1000 bytes: the embedding (3 · 4096 / 8) draws again
+def test_l1_keep_bits_kept_or_drawn_again(example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          cap: int | None) -> None:
+    """``l1``: the merge reuses the keep bits its L1 sums stored (MASK_BYTES), or draws and ranks again for a
+    tensor above the cap; both give the torch path's bytes, for tensors in one block and over several."""
+    masks, real = [], fastdare.merge_range
+    if cap is not None:
+        monkeypatch.setattr(fastdare, "MASK_BYTES", cap)
+    for method in ("della", "dare_ties"):
+        for block in (1000, None):
+            where = tmp_path / f"{method}{block}"
+            monkeypatch.setattr(fastdare, "merge_range", lambda *a: masks.append(a[-1].shape[1] > 0) or real(*a))
+            assert_fast_is_torch(*example, where, monkeypatch, method, {"rescale": "l1"}, block=block, threads=2)
+    assert (any(masks), all(masks)) == {None: (True, True), 1000: (True, False), 0: (False, False)}[cap]
+
+
 def _tie_models(root: Path, dtype: torch.dtype) -> tuple[Path, list[Path]]:
-    """Rows with many ties (few distinct τ), all-zero rows, a huge outlier, rows of one element, an odd row
-    length, and a 1-D tensor larger than the small blocks."""
+    """Rows with many ties (few distinct τ), all-zero rows, a huge outlier, rows of one element, odd row
+    lengths (blocks that start inside a byte of l1's keep bits), and a 1-D tensor larger than the small blocks."""
     rng = np.random.default_rng(3)
     shapes = {"model.layers.0.mlp.up_proj.weight": (96, 64), "model.layers.0.mlp.down_proj.weight": (64, 96),
               "model.norm.weight": (5000,), "model.layers.0.self_attn.q_proj.bias": (7, 1),
-              "model.layers.0.self_attn.o_proj.weight": (50, 37)}
+              "model.layers.0.self_attn.o_proj.weight": (50, 37),
+              "model.layers.0.mlp.gate_proj.weight": (3, 1025)}  # lcm(row, TILE) > ALIGN_MAX: blocks of one row
     base = {k: rng.normal(0, 0.05, s).astype(np.float32) for k, s in shapes.items()}
     models = [base]
     for t in range(3):

@@ -33,6 +33,8 @@ CHUNK = 1 << 16  # methods/_ops.RNG_CHUNK and methods/_l1.CHUNK (tests/test_fast
 RESCALE_NONE, RESCALE_INVERSE, RESCALE_L1 = 0, 1, 2
 _CHUNK = np.uint64(CHUNK)
 _SEVEN = np.uint64(7)
+_U0 = np.uint64(0)
+_U1 = np.uint64(1)
 
 
 @njit(nogil=True, cache=True)
@@ -114,16 +116,60 @@ def _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob):
 
 
 @njit(nogil=True, cache=True)
+def _setbit(bits, e, v):  # type: ignore[no-untyped-def]
+    i = e >> np.uint64(3)
+    k = e & _SEVEN
+    bits[i] = (bits[i] & ~(np.uint8(1) << k)) | (np.uint8(v) << k)
+
+
+@njit(nogil=True, cache=True)
+def _pack(bits, g, kb, m):  # type: ignore[no-untyped-def]
+    """Keep bits of elements [g, g + m) of a tensor from kb[0:m] (0 or 1): element e is bit e & 7 of byte e >> 3.
+    Whole bytes are stored, the partial ones at either end set bit by bit (a thread's pieces end at chunk
+    boundaries, so no two threads share a byte)."""
+    g = np.uint64(g)
+    m = np.uint64(m)
+    j = _U0
+    while j < m and ((g + j) & _SEVEN) != _U0:
+        _setbit(bits, g + j, kb[j])
+        j += _U1
+    while j + np.uint64(8) <= m:
+        bits[(g + j) >> np.uint64(3)] = (kb[j] | (kb[j + 1] << 1) | (kb[j + 2] << 2) | (kb[j + 3] << 3)
+                                        | (kb[j + 4] << 4) | (kb[j + 5] << 5) | (kb[j + 6] << 6) | (kb[j + 7] << 7))
+        j += np.uint64(8)
+    while j < m:
+        _setbit(bits, g + j, kb[j])
+        j += _U1
+
+
+@njit(nogil=True, cache=True)
+def _unpack(mask, g, m, u):  # type: ignore[no-untyped-def]
+    """u[t, 0:m] = 0 where agent t kept element g + j (the bits ``_pack`` stored), 1 where it dropped it: u < p then
+    replays the keep test (0 < p ≤ 1)."""
+    one = np.float32(1.0)
+    g = np.uint64(g)
+    for t in range(mask.shape[0]):
+        bt = mask[t]
+        ut = u[t]
+        for j in range(np.uint64(m)):
+            e = g + j
+            ut[j] = one - np.float32((bt[e >> np.uint64(3)] >> (e & _SEVEN)) & np.uint8(1))
+
+
+@njit(nogil=True, cache=True)
 def merge_range(base, agents, lo, hi, start, row, seeds, plo, p2e, rescale, factor, w, elect, normalize,  # type: ignore[no-untyped-def]
-                div, scaling, apply_scaling, out):
+                div, scaling, apply_scaling, out, mask):
     """Elements [lo, hi) of a block that starts at element ``start`` of its tensor, cut at chunk boundaries.
 
     base [n], agents [N, n] stored values; seeds [N, chunks of the tensor] uint32 (the low 32 bits of
     _ops.chunk_seed: all that manual_seed keeps); plo, p2e, factor, w [N] float32; out [n]. The keep probability:
     DARE (row 0) plo, the density; DELLA (rows of ``row`` elements, whole rows in the block) plo + ρ̂ · p2e, with
-    plo = density − ε and p2e = 2ε. True: τ not finite.
+    plo = density − ε and p2e = 2ε. ``mask`` [N, ⌈numel / 8⌉] uint8: the keep bits l1_range stored, used instead
+    of drawing and ranking again (only for ``l1``, which needs no p); [N, 0]: none. True: τ not finite.
     """
     n_agents = len(agents)
+    stored = mask.shape[1] > 0
+    row = 0 if stored else row
     span, ranks, work, hist, prob = _scratch(n_agents, row, plo)
     states = np.empty((n_agents, mt.STATE), dtype=np.uint32)
     idx = np.empty(n_agents, dtype=np.uint64)
@@ -140,10 +186,14 @@ def merge_range(base, agents, lo, hi, start, row, seeds, plo, p2e, rescale, fact
     while pos < hi:
         c = (start + pos) // _CHUNK
         end = min(hi, (c + np.uint64(1)) * _CHUNK - start)
-        _start_piece(states, idx, seeds, c, start + pos - c * _CHUNK)
+        if not stored:
+            _start_piece(states, idx, seeds, c, start + pos - c * _CHUNK)
         while pos < end:
             m = _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob)
-            _draw(states, idx, u, m)
+            if stored:
+                _unpack(mask, start + pos, m, u)
+            else:
+                _draw(states, idx, u, m)
             bad |= _prune_tile(base, agents, pos, m, u, prob, rescale, factor, w, b32, wtd)
             combine_tile(wtd, b32, pos, m, w, elect, normalize, div, scaling, apply_scaling, out, total, den, sgn)
             pos += m
@@ -180,12 +230,13 @@ def _lanes_add(v, n, lanes, lane0):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def l1_range(base, agents, lo, hi, start, row, seeds, plo, p2e, carry, part):  # type: ignore[no-untyped-def]
+def l1_range(base, agents, lo, hi, start, row, seeds, plo, p2e, carry, part, mask):  # type: ignore[no-untyped-def]
     """The L1 sums of elements [lo, hi) of a block (cut as for merge_range), per piece, in float64 lanes.
 
     part [2, N, pieces of the block, 8]: the lanes of Σ|τ_t| (row 0) and Σ|τ_t · keep_t| (row 1) of each
     piece; the block's first piece starts from ``carry`` [2, N, 8] (a chunk begun in the previous block).
-    ``fold`` then adds the finished chunks in order. ``row``, plo, p2e: as merge_range. True: τ not finite.
+    ``fold`` then adds the finished chunks in order. ``row``, plo, p2e: as merge_range; the keep bits go to
+    ``mask`` unless it has no columns (as merge_range's). True: τ not finite.
     """
     n_agents = len(agents)
     span, ranks, work, hist, prob = _scratch(n_agents, row, plo)
@@ -195,6 +246,8 @@ def l1_range(base, agents, lo, hi, start, row, seeds, plo, p2e, carry, part):  #
     b32 = np.empty(TILE, dtype=np.float32)
     va = np.empty(TILE, dtype=np.float64)
     vk = np.empty(TILE, dtype=np.float64)
+    kb = np.empty(TILE, dtype=np.uint8)
+    store = mask.shape[1] > 0
     zero = np.float64(0.0)
     bad = False
     start = np.uint64(start)
@@ -225,7 +278,11 @@ def l1_range(base, agents, lo, hi, start, row, seeds, plo, p2e, carry, part):  #
                     bad |= not np.isfinite(x)
                     a = np.float64(abs(x))
                     va[j] = a
-                    vk[j] = a if ut[j] < pt[j] else zero  # |τ · keep|: τ · 0.0 is ±0
+                    keep = ut[j] < pt[j]
+                    vk[j] = a if keep else zero  # |τ · keep|: τ · 0.0 is ±0
+                    kb[j] = np.uint8(keep)
+                if store:
+                    _pack(mask[t], start + pos, kb, m)
                 _lanes_add(va, m, part[0, t, piece], lane0)
                 _lanes_add(vk, m, part[1, t, piece], lane0)
             pos += m

@@ -31,6 +31,10 @@ from .stats import Statistics, TensorStats
 
 FAST_PRESETS = ("dare_ta", "dare_ties", "della", "della_linear")  # random drop; DELLA's from row ranks
 RESCALE = {"none": 0, "inverse": 1, "l1": 2}  # _numba_dare.RESCALE_*
+# ``l1``: the keep bits of a tensor, from its L1 sums, are kept for its merge (no second draw and ranking) when
+# they take at most this many bytes (N agents · numel / 8; the 0.5B set's embedding: 51 MB); a larger tensor
+# draws (and ranks) again
+MASK_BYTES = 64 << 20
 
 
 def merge_range(*args: Any) -> bool:
@@ -95,6 +99,8 @@ class DareFast:
         self.scaling = np.float32(params.scaling)
         self.apply_scaling = params.scaling != 1.0
         self.ones = np.ones(n, dtype=np.float32)
+        self.no_mask = np.empty((n, 0), dtype=np.uint8)
+        self._bits = np.empty(0, dtype=np.uint8)  # reused by every tensor's keep bits
 
     def passes(self, job: Job) -> int:
         """Reads of ``job`` in the merge pass: 2 (L1 sums, merge) for ``l1`` unless it fits in one block."""
@@ -106,6 +112,15 @@ class DareFast:
     def _rowlen(self, job: Job) -> int:
         """The kernels' ``row``: MagPrune's row length (gta._row: a 1-D tensor is one row), 0 for DARE."""
         return _row(job.info.shape) if self.magprune else 0
+
+    def _mask(self, job: Job) -> np.ndarray:
+        """[N, ⌈numel / 8⌉] uint8 for the tensor's keep bits, or [N, 0] (none) above MASK_BYTES."""
+        size = self.n * -(-job.numel // 8)
+        if size > MASK_BYTES:
+            return self.no_mask
+        if self._bits.size < size:
+            self._bits = np.empty(size, dtype=np.uint8)
+        return self._bits[:size].reshape(self.n, -1)
 
     def _seeds(self, job: Job) -> np.ndarray:
         """[N, chunks] uint32: the low 32 bits of each chunk's seed, all that torch's manual_seed keeps."""
@@ -132,7 +147,7 @@ class DareFast:
             return next_block(blocks, job, fast, ts if first_read else None, self.stats_args)
 
         first_read = True
-        l1 = _L1Sums(self.n) if self.rescale == RESCALE["l1"] else None
+        l1 = _L1Sums(self.n, self._mask(job)) if self.rescale == RESCALE["l1"] else None
         factor = self.ones
         if l1 is not None and self.passes(job) == 2:
             for _ in range(nblocks):
@@ -146,15 +161,16 @@ class DareFast:
                 self._l1_block(job, start, stop, base, agents, seeds, l1)
                 factor = l1.factors()
             merged = fast.out_view(slot, job, stop - start)
-            self._merge_block(job, start, base, agents, seeds, factor, merged)
+            self._merge_block(job, start, base, agents, seeds, factor, merged,
+                              l1.bits if l1 is not None else self.no_mask)
             out.write_slot(slot, merged)
             bar.advance((stop - start) * job.out_dtype.itemsize)
 
     def _merge_block(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
-                     factor: np.ndarray, merged: np.ndarray) -> None:
+                     factor: np.ndarray, merged: np.ndarray, mask: np.ndarray) -> None:
         self._threads(job, start, base, agents, lambda lo, hi: merge_range(
             base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, self.rescale, factor, self.w,
-            self.elect, self.normalize, self.div, self.scaling, self.apply_scaling, merged))
+            self.elect, self.normalize, self.div, self.scaling, self.apply_scaling, merged, mask))
 
     def _l1_block(self, job: Job, start: int, stop: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                   l1: _L1Sums) -> None:
@@ -162,14 +178,16 @@ class DareFast:
 
         part = np.empty((2, self.n, (stop - 1) // CHUNK - start // CHUNK + 1, 8), dtype=np.float64)
         self._threads(job, start, base, agents, lambda lo, hi: l1_range(
-            base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, l1.carry, part))
+            base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, l1.carry, part, l1.bits))
         fold(part, l1.carry, l1.total, start, stop, job.numel)
 
 
 class _L1Sums:
-    """One tensor's Σ|τ_t| (row 0) and Σ|kept τ_t| (row 1) so far, and the lanes of a chunk left open."""
+    """One tensor's Σ|τ_t| (row 0) and Σ|kept τ_t| (row 1) so far, the lanes of a chunk left open, and where its
+    keep bits go ([N, 0]: nowhere)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, bits: np.ndarray) -> None:
+        self.bits = bits
         self.total = np.zeros((2, n), dtype=np.float64)
         self.carry = np.zeros((2, n, 8), dtype=np.float64)
 
