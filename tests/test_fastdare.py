@@ -36,8 +36,9 @@ def wide(tmp_path: Path) -> tuple[Path, list[Path]]:
 
 def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.MonkeyPatch, method: str,
                 params: dict, dtype: str | None = None, block: int | None = None, seed: int = 0,
-                threads: int = 1) -> tuple[rlmerge.MergeResult, rlmerge.MergeResult, int]:
-    """The torch path (RLMERGE_FAST=0), then the fast path with ``threads`` compute threads; its kernel calls."""
+                threads: int | None = None) -> tuple[rlmerge.MergeResult, rlmerge.MergeResult, int]:
+    """The torch path (RLMERGE_FAST=0), then the fast path with ``threads`` compute threads (default: one per
+    CPU); its kernel calls."""
     calls = []
     real = fastdare.merge_range
 
@@ -49,14 +50,21 @@ def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.M
     monkeypatch.setenv("RLMERGE_FAST", "0")
     slow = rlmerge.merge(base, agents, tmp / "torch", method=method, params=params, dtype=dtype, seed=seed, **kw)
     monkeypatch.setenv("RLMERGE_FAST", "1")
+    if threads is not None:
+        monkeypatch.setenv("RLMERGE_THREADS", str(threads))  # fastpath.compute_threads
     monkeypatch.setattr(fastdare, "merge_range", spy)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # FastPath runs torch.get_num_threads() compute threads
-    try:
-        fast = rlmerge.merge(base, agents, tmp / "fast", method=method, params=params, dtype=dtype, seed=seed, **kw)
-    finally:
-        torch.set_num_threads(before)
+    fast = rlmerge.merge(base, agents, tmp / "fast", method=method, params=params, dtype=dtype, seed=seed, **kw)
     return slow, fast, len(calls)
+
+
+def assert_fast_is_torch(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.MonkeyPatch, method: str,
+                         params: dict, dtype: str | None = None, block: int | None = None, seed: int = 0,
+                         threads: int | None = None) -> None:
+    """Both paths ran (the fast one through the DARE / DELLA kernel) and wrote the same shards and counts."""
+    slow, fast, calls = _merge_both(base, agents, tmp, monkeypatch, method, params, dtype, block, seed, threads)
+    assert calls > 0, "the fast path did not run"
+    _same_bytes(tmp / "torch", tmp / "fast")
+    same_counts(slow, fast)
 
 
 # -- the random numbers ------------------------------------------------------------------------------------
@@ -112,8 +120,9 @@ def test_keep_mask_is_the_torch_paths(block: int, rescale: str) -> None:
         base, agents = np.zeros(n, np.float32), np.ascontiguousarray(np.repeat(tau[:, None], n, 1))
         out = np.empty(n, np.float32)
         for lo, hi in fastdare.pieces(start, n, 3):
-            fastdare.merge_range(base, agents, lo, hi, start, seeds, dens, fastdare.RESCALE[rescale], factor,
-                                 np.ones(2, np.float32), False, False, np.float32(1), np.float32(1), False, out)
+            fastdare.merge_range(base, agents, lo, hi, start, 0, seeds, dens, dens, fastdare.RESCALE[rescale],
+                                 factor, np.ones(2, np.float32), False, False, np.float32(1), np.float32(1), False, out,
+                                 np.empty((2, 0), np.uint8))
         got[start:start + n] = out
     np.testing.assert_array_equal(got, want)
 
@@ -173,7 +182,7 @@ def test_l1_sums_follow_the_documented_order(monkeypatch: pytest.MonkeyPatch) ->
             part = np.empty((2, 2, (stop - 1) // CHUNK - start // CHUNK + 1, 8))
             for lo, hi in fastdare.pieces(start, stop - start, 3):
                 l1_range(np.zeros(stop - start, np.float32), np.ascontiguousarray(tau[:, start:stop]), lo, hi, start,
-                         seeds, dens, carry, part)
+                         0, seeds, dens, dens, carry, part, np.empty((2, 0), np.uint8))
             fold(part, carry, total, start, stop, numel)
         np.testing.assert_array_equal(lanes.total.reshape(2, 2), want, err_msg=f"torch path, block {block}")
         np.testing.assert_array_equal(total, want, err_msg=f"fast path, block {block}")
@@ -197,11 +206,7 @@ CASES = [  # method, params, output dtype, block size, seed
 def test_fast_dare_writes_the_torch_paths_bytes(example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 method: str, params: dict, dtype: str | None, block: int | None,
                                                 seed: int) -> None:
-    base, agents = example
-    slow, fast, calls = _merge_both(base, agents, tmp_path, monkeypatch, method, params, dtype, block, seed)
-    assert calls > 0, "the fast path did not run"
-    _same_bytes(tmp_path / "torch", tmp_path / "fast")
-    same_counts(slow, fast)
+    assert_fast_is_torch(*example, tmp_path, monkeypatch, method, params, dtype, block, seed)
 
 
 @pytest.mark.parametrize(("method", "params", "block", "threads"), [
@@ -212,10 +217,7 @@ def test_fast_dare_writes_the_torch_paths_bytes(example, tmp_path: Path, monkeyp
 ])
 def test_tensors_over_several_chunks_same_bytes(wide, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str,
                                                 params: dict, block: int | None, threads: int) -> None:
-    base, agents = wide
-    _, _, calls = _merge_both(base, agents, tmp_path, monkeypatch, method, params, None, block, 7, threads)
-    assert calls > 0
-    _same_bytes(tmp_path / "torch", tmp_path / "fast")
+    assert_fast_is_torch(*wide, tmp_path, monkeypatch, method, params, None, block, 7, threads)
 
 
 @pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
@@ -254,7 +256,9 @@ def test_density_equal_to_a_drawn_number_drops_it(example, tmp_path: Path, monke
     assert merged[changed].float() == want.to(torch.bfloat16).float()  # agent 0's τ is not in it
 
 
-def test_missing_tensor_takes_the_torch_path(example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("method", ["dare_ties", "della"])
+def test_missing_tensor_takes_the_torch_path(example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             method: str) -> None:
     """An agent without a tensor (allow_missing) sends the whole merge to the torch path: same bytes."""
     base, agents = example
     sd = load_file(str(agents[1] / "model.safetensors"))
@@ -264,16 +268,19 @@ def test_missing_tensor_takes_the_torch_path(example, tmp_path: Path, monkeypatc
     monkeypatch.setattr(fastdare, "merge_range", lambda *a: calls.append(1))
     for flag in ("0", "1"):
         monkeypatch.setenv("RLMERGE_FAST", flag)
-        rlmerge.merge(base, agents, tmp_path / flag, method="dare_ties", params={"rescale": "l1"},
-                      allow_missing=True)
+        rlmerge.merge(base, agents, tmp_path / flag, method=method, params={"rescale": "l1"}, allow_missing=True)
     assert not calls
     _same_bytes(tmp_path / "0", tmp_path / "1")
 
 
-def test_resume_is_byte_identical(example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An interrupted fast dare_ties (l1) merge resumed with another block size gives the torch path's folder."""
+@pytest.mark.parametrize(("method", "params"), [("dare_ties", {"density": 0.4, "rescale": "l1"}),
+                                                ("della", {"epsilon": 0.2, "rescale": "l1"})])
+def test_resume_is_byte_identical(example, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str,
+                                  params: dict) -> None:
+    """An interrupted fast dare_ties / della (l1) merge resumed with another block size gives the torch path's
+    folder (della: blocks of whole rows)."""
     base, agents = example
-    kw = {"method": "dare_ties", "params": {"density": 0.4, "rescale": "l1"}, "shard_size": "16KB", "seed": 3}
+    kw = {"method": method, "params": params, "shard_size": "16KB", "seed": 3}
     monkeypatch.setenv("RLMERGE_FAST", "0")
     rlmerge.merge(base, agents, tmp_path / "ref", **kw, block_size=300)
     monkeypatch.setenv("RLMERGE_FAST", "1")

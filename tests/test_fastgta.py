@@ -100,7 +100,8 @@ def test_thresholds_are_the_exact_kth_largest(tmp_path: Path) -> None:
 
 
 def test_non_finite_delta_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A NaN τ on the fast TIES and DARE paths is reported with file, tensor and index; nothing is left behind."""
+    """A NaN τ on the fast TIES, DARE and DELLA paths is reported with file, tensor and index; nothing is left
+    behind."""
     base, agents = make_example(tmp_path / "in", shape=TINY)
     name = "model.layers.0.mlp.up_proj.weight"
     bad = load_file(str(agents[2] / "model.safetensors"))
@@ -108,7 +109,8 @@ def test_non_finite_delta_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     bad[name].view(-1)[123] = float("nan")
     save_file(bad, str(agents[2] / "model.safetensors"))
     monkeypatch.setenv("RLMERGE_FAST", "1")
-    cases = [("ties", {}), ("ties_global", {}), ("dare_ties", {"rescale": "l1"}), ("dare_ta", {"rescale": "inverse"})]
+    cases = [("ties", {}), ("ties_global", {}), ("dare_ties", {"rescale": "l1"}), ("dare_ta", {"rescale": "inverse"}),
+             ("della", {}), ("della", {"rescale": "l1"}), ("della_linear", {"rescale": "none"})]
     for method, params in cases:
         for block in (100, 1 << 20):
             out = tmp_path / f"out-{method}-{block}"

@@ -1,4 +1,5 @@
-"""numba kernels for DARE (dare_ta, dare_ties; see fastdare.py): the random drop, the L1 sums, the merge rule.
+"""numba kernels for DARE and DELLA (dare_ta, dare_ties, della, della_linear; see fastdare.py): the random drop,
+the L1 sums, the merge rule.
 
 The keep test draws the torch path's random numbers (_numba_mt.py: at::mt19937 and torch.rand's float32
 conversion, bit for bit): one stream per (seed, agent, tensor, 65,536-element chunk), as methods/_ops.uniform.
@@ -8,7 +9,13 @@ methods/gta.py's rule element by element: τ · keep, the rescale (÷ density, �
 none), · w_t, and the combine step shared with TIES (_numba_gta.combine_tile). The L1 kernel sums |τ| and
 |kept τ| per agent in methods/_l1.py's fixed order (8 sequential lanes per chunk), which the torch path
 follows too. Every float32 operation is the torch path's, in its order, with no fast-math: the bytes
-written are identical (tests/test_fastdare.py).
+written are identical (tests/test_fastdare.py, tests/test_fastdella.py).
+
+DELLA is DARE with a keep probability per element: ``row`` > 0 asks for MagPrune's, from the rank of |τ| in its
+row (_numba_della.py). The block then holds whole rows; the kernels rank a *span* of whole rows (one row, or
+as many as fit in a tile) for every agent when a tile first enters it, and cut tiles at span ends. A piece that
+starts or ends inside a row ranks that row again (at most one row per thread and block). ``row`` = 0 is DARE:
+p is the agent's density for every element.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import numpy as np
 from numba import njit
 
 from . import _numba_mt as mt
+from ._numba_della import probs, rank_span, scratch
 from ._numba_gta import combine_tile
 from ._numba_kernels import _dec
 from .kernels import TILE
@@ -25,6 +33,8 @@ CHUNK = 1 << 16  # methods/_ops.RNG_CHUNK and methods/_l1.CHUNK (tests/test_fast
 RESCALE_NONE, RESCALE_INVERSE, RESCALE_L1 = 0, 1, 2
 _CHUNK = np.uint64(CHUNK)
 _SEVEN = np.uint64(7)
+_U0 = np.uint64(0)
+_U1 = np.uint64(1)
 
 
 @njit(nogil=True, cache=True)
@@ -41,45 +51,126 @@ def _draw(states, idx, u, m):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def _prune_tile(base, agents, lo, m, u, dens, rescale, factor, w, b32, wtd):  # type: ignore[no-untyped-def]
-    """wtd[t] = prune_block's τ · keep (keep: u < density), rescaled, · w_t (gta.py ``_merge``). True: τ not finite."""
+def _prune_tile(base, agents, lo, m, u, prob, rescale, factor, w, b32, wtd):  # type: ignore[no-untyped-def]
+    """wtd[t] = prune_block's τ · keep (keep: u < p, p = prob[t, j]), rescaled (÷ p, × the L1 factor, or not),
+    · w_t (gta.py ``_merge``). True: τ not finite."""
     zero = np.float32(0.0)
     one = np.float32(1.0)
     bad = False
     for j in range(m):
         b32[j] = _dec(base[lo + j])
     for t in range(len(agents)):
-        d, f, wt = dens[t], factor[t], w[t]
+        f, wt = factor[t], w[t]
         ut = u[t]
+        pt = prob[t]
         row = wtd[t]
         a = agents[t]
         if rescale == RESCALE_INVERSE:
             for j in range(m):
                 x = _dec(a[lo + j]) - b32[j]
                 bad |= not np.isfinite(x)
-                row[j] = ((x * (one if ut[j] < d else zero)) / d) * wt
+                row[j] = ((x * (one if ut[j] < pt[j] else zero)) / pt[j]) * wt
         elif rescale == RESCALE_L1:
             for j in range(m):
                 x = _dec(a[lo + j]) - b32[j]
                 bad |= not np.isfinite(x)
-                row[j] = ((x * (one if ut[j] < d else zero)) * f) * wt
+                row[j] = ((x * (one if ut[j] < pt[j] else zero)) * f) * wt
         else:
             for j in range(m):
                 x = _dec(a[lo + j]) - b32[j]
                 bad |= not np.isfinite(x)
-                row[j] = (x * (one if ut[j] < d else zero)) * wt
+                row[j] = (x * (one if ut[j] < pt[j] else zero)) * wt
     return bad
 
 
 @njit(nogil=True, cache=True)
-def merge_range(base, agents, lo, hi, start, seeds, dens, rescale, factor, w, elect, normalize, div,  # type: ignore[no-untyped-def]
-                scaling, apply_scaling, out):
+def _scratch(n_agents, row, plo):  # type: ignore[no-untyped-def]
+    """(span [2], ranks [N, span], work, hist, prob [N, TILE]) for a kernel call; DARE (row 0): prob = plo."""
+    size = row * max(1, TILE // row) if row > 0 else 1
+    work, hist = scratch(max(row, 1))
+    prob = np.empty((n_agents, TILE), dtype=np.float32)
+    if row == 0:
+        for t in range(n_agents):
+            prob[t, :] = plo[t]
+    span = np.zeros(2, dtype=np.uint64)  # [lo, hi) of the block whose ranks are held; none yet
+    return span, np.empty((n_agents, size), dtype=np.uint32), work, hist, prob
+
+
+@njit(nogil=True, cache=True)
+def _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob):  # type: ignore[no-untyped-def]
+    """The length of the tile at ``pos`` (up to ``end``, inside one span) with its keep probabilities in prob;
+    DELLA: ranks the span's rows first when ``pos`` is outside the span held."""
+    m = min(np.uint64(TILE), end - pos)
+    if row == 0:
+        return m
+    if pos < span[0] or pos >= span[1]:
+        size = np.uint64(row * max(1, TILE // row))
+        lo = pos // size * size
+        hi = min(lo + size, np.uint64(base.shape[0]))
+        rank_span(base, agents, lo, hi, row, ranks, work, hist)
+        span[0] = lo
+        span[1] = hi
+    m = min(m, span[1] - pos)
+    probs(ranks, pos - span[0], m, row, plo, p2e, prob)
+    return m
+
+
+@njit(nogil=True, cache=True)
+def _setbit(bits, e, v):  # type: ignore[no-untyped-def]
+    i = e >> np.uint64(3)
+    k = e & _SEVEN
+    bits[i] = (bits[i] & ~(np.uint8(1) << k)) | (np.uint8(v) << k)
+
+
+@njit(nogil=True, cache=True)
+def _pack(bits, g, kb, m):  # type: ignore[no-untyped-def]
+    """Keep bits of elements [g, g + m) of a tensor from kb[0:m] (0 or 1): element e is bit e & 7 of byte e >> 3.
+    Whole bytes are stored, the partial ones at either end set bit by bit (a thread's pieces end at chunk
+    boundaries, so no two threads share a byte)."""
+    g = np.uint64(g)
+    m = np.uint64(m)
+    j = _U0
+    while j < m and ((g + j) & _SEVEN) != _U0:
+        _setbit(bits, g + j, kb[j])
+        j += _U1
+    while j + np.uint64(8) <= m:
+        bits[(g + j) >> np.uint64(3)] = (kb[j] | (kb[j + 1] << 1) | (kb[j + 2] << 2) | (kb[j + 3] << 3)
+                                        | (kb[j + 4] << 4) | (kb[j + 5] << 5) | (kb[j + 6] << 6) | (kb[j + 7] << 7))
+        j += np.uint64(8)
+    while j < m:
+        _setbit(bits, g + j, kb[j])
+        j += _U1
+
+
+@njit(nogil=True, cache=True)
+def _unpack(mask, g, m, u):  # type: ignore[no-untyped-def]
+    """u[t, 0:m] = 0 where agent t kept element g + j (the bits ``_pack`` stored), 1 where it dropped it: u < p then
+    replays the keep test (0 < p ≤ 1)."""
+    one = np.float32(1.0)
+    g = np.uint64(g)
+    for t in range(mask.shape[0]):
+        bt = mask[t]
+        ut = u[t]
+        for j in range(np.uint64(m)):
+            e = g + j
+            ut[j] = one - np.float32((bt[e >> np.uint64(3)] >> (e & _SEVEN)) & np.uint8(1))
+
+
+@njit(nogil=True, cache=True)
+def merge_range(base, agents, lo, hi, start, row, seeds, plo, p2e, rescale, factor, w, elect, normalize,  # type: ignore[no-untyped-def]
+                div, scaling, apply_scaling, out, mask):
     """Elements [lo, hi) of a block that starts at element ``start`` of its tensor, cut at chunk boundaries.
 
     base [n], agents [N, n] stored values; seeds [N, chunks of the tensor] uint32 (the low 32 bits of
-    _ops.chunk_seed: all that manual_seed keeps); dens, factor, w [N] float32; out [n]. True: τ not finite.
+    _ops.chunk_seed: all that manual_seed keeps); plo, p2e, factor, w [N] float32; out [n]. The keep probability:
+    DARE (row 0) plo, the density; DELLA (rows of ``row`` elements, whole rows in the block) plo + ρ̂ · p2e, with
+    plo = density − ε and p2e = 2ε. ``mask`` [N, ⌈numel / 8⌉] uint8: the keep bits l1_range stored, used instead
+    of drawing and ranking again (only for ``l1``, which needs no p); [N, 0]: none. True: τ not finite.
     """
     n_agents = len(agents)
+    stored = mask.shape[1] > 0
+    row = 0 if stored else row
+    span, ranks, work, hist, prob = _scratch(n_agents, row, plo)
     states = np.empty((n_agents, mt.STATE), dtype=np.uint32)
     idx = np.empty(n_agents, dtype=np.uint64)
     u = np.empty((n_agents, TILE), dtype=np.float32)
@@ -95,11 +186,15 @@ def merge_range(base, agents, lo, hi, start, seeds, dens, rescale, factor, w, el
     while pos < hi:
         c = (start + pos) // _CHUNK
         end = min(hi, (c + np.uint64(1)) * _CHUNK - start)
-        _start_piece(states, idx, seeds, c, start + pos - c * _CHUNK)
+        if not stored:
+            _start_piece(states, idx, seeds, c, start + pos - c * _CHUNK)
         while pos < end:
-            m = min(np.uint64(TILE), end - pos)
-            _draw(states, idx, u, m)
-            bad |= _prune_tile(base, agents, pos, m, u, dens, rescale, factor, w, b32, wtd)
+            m = _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob)
+            if stored:
+                _unpack(mask, start + pos, m, u)
+            else:
+                _draw(states, idx, u, m)
+            bad |= _prune_tile(base, agents, pos, m, u, prob, rescale, factor, w, b32, wtd)
             combine_tile(wtd, b32, pos, m, w, elect, normalize, div, scaling, apply_scaling, out, total, den, sgn)
             pos += m
     return bad
@@ -135,20 +230,24 @@ def _lanes_add(v, n, lanes, lane0):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def l1_range(base, agents, lo, hi, start, seeds, dens, carry, part):  # type: ignore[no-untyped-def]
+def l1_range(base, agents, lo, hi, start, row, seeds, plo, p2e, carry, part, mask):  # type: ignore[no-untyped-def]
     """The L1 sums of elements [lo, hi) of a block (cut as for merge_range), per piece, in float64 lanes.
 
     part [2, N, pieces of the block, 8]: the lanes of Σ|τ_t| (row 0) and Σ|τ_t · keep_t| (row 1) of each
     piece; the block's first piece starts from ``carry`` [2, N, 8] (a chunk begun in the previous block).
-    ``fold`` then adds the finished chunks in order. True: τ not finite.
+    ``fold`` then adds the finished chunks in order. ``row``, plo, p2e: as merge_range; the keep bits go to
+    ``mask`` unless it has no columns (as merge_range's). True: τ not finite.
     """
     n_agents = len(agents)
+    span, ranks, work, hist, prob = _scratch(n_agents, row, plo)
     states = np.empty((n_agents, mt.STATE), dtype=np.uint32)
     idx = np.empty(n_agents, dtype=np.uint64)
     u = np.empty((n_agents, TILE), dtype=np.float32)
     b32 = np.empty(TILE, dtype=np.float32)
     va = np.empty(TILE, dtype=np.float64)
     vk = np.empty(TILE, dtype=np.float64)
+    kb = np.empty(TILE, dtype=np.uint8)
+    store = mask.shape[1] > 0
     zero = np.float64(0.0)
     bad = False
     start = np.uint64(start)
@@ -165,13 +264,13 @@ def l1_range(base, agents, lo, hi, start, seeds, dens, carry, part):  # type: ig
                     part[r, t, piece, k] = carry[r, t, k] if piece == np.uint64(0) else zero
         _start_piece(states, idx, seeds, c, start + pos - c * _CHUNK)
         while pos < end:
-            m = min(np.uint64(TILE), end - pos)
+            m = _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob)
             _draw(states, idx, u, m)
             for j in range(m):
                 b32[j] = _dec(base[pos + j])
             lane0 = (start + pos) & _SEVEN
             for t in range(n_agents):
-                d = dens[t]
+                pt = prob[t]
                 ut = u[t]
                 at = agents[t]
                 for j in range(m):
@@ -179,7 +278,11 @@ def l1_range(base, agents, lo, hi, start, seeds, dens, carry, part):  # type: ig
                     bad |= not np.isfinite(x)
                     a = np.float64(abs(x))
                     va[j] = a
-                    vk[j] = a if ut[j] < d else zero  # |τ · keep|: τ · 0.0 is ±0
+                    keep = ut[j] < pt[j]
+                    vk[j] = a if keep else zero  # |τ · keep|: τ · 0.0 is ±0
+                    kb[j] = np.uint8(keep)
+                if store:
+                    _pack(mask[t], start + pos, kb, m)
                 _lanes_add(va, m, part[0, t, piece], lane0)
                 _lanes_add(vk, m, part[1, t, piece], lane0)
             pos += m

@@ -1,4 +1,5 @@
-"""DARE (dare_ta, dare_ties) on the fast path: the torch path's random drop, rescale and merge in numba kernels.
+"""DARE (dare_ta, dare_ties) and DELLA (della, della_linear) on the fast path: the torch path's random drop,
+rescale and merge in numba kernels.
 
 The torch path (methods/gta.py) draws each agent's keep mask with torch.rand per 65,536-element chunk and
 runs a chain of torch ops per block; with ``rescale: l1`` it streams the whole model once more first, for each
@@ -6,6 +7,10 @@ tensor's Σ|τ| / Σ|kept τ|. Here the same random numbers come from a numba mt
 rule runs fused on the fast path's raw blocks (fastpath.py), and the L1 sums are taken per tensor inside the
 merge pass: a tensor that fits in one block is read once (sums, then merge, on the block in memory), a larger
 one twice. The bytes written are the torch path's (tests/test_fastdare.py).
+
+DELLA is DARE with a keep probability per element, from the rank of |τ| in its row (MagPrune): its blocks hold
+whole rows (``FastPath(rows=True)``) and the kernels take the row length (_numba_della.py ranks the rows); DARE
+passes row 0. Same bytes as the torch path (tests/test_fastdella.py).
 """
 
 from __future__ import annotations
@@ -19,17 +24,21 @@ from .fastpath import FastPath, OrderedWriter, eligible, enabled, next_block, st
 from .methods import MethodSpec
 from .methods._l1 import CHUNK, l1_factors
 from .methods._ops import chunk_seed
-from .methods.gta import PRESETS, per_agent
+from .methods.gta import PRESETS, _row, per_agent
 from .methods.task_arithmetic import agent_weights, weight_sum
 from .plan import Job, Plan
 from .stats import Statistics, TensorStats
 
-FAST_PRESETS = ("dare_ta", "dare_ties")  # random drop; DELLA's MagPrune needs row ranks (torch path)
+FAST_PRESETS = ("dare_ta", "dare_ties", "della", "della_linear")  # random drop; DELLA's from row ranks
 RESCALE = {"none": 0, "inverse": 1, "l1": 2}  # _numba_dare.RESCALE_*
+# ``l1``: the keep bits of a tensor, from its L1 sums, are kept for its merge (no second draw and ranking) when
+# they take at most this many bytes (N agents · numel / 8; the 0.5B set's embedding: 51 MB); a larger tensor
+# draws (and ranks) again
+MASK_BYTES = 64 << 20
 
 
 def merge_range(*args: Any) -> bool:
-    """The DARE merge rule over [lo, hi) of one block (_numba_dare.merge_range); True when τ is not finite."""
+    """The DARE / DELLA merge rule over [lo, hi) of one block (_numba_dare.merge_range); True: τ not finite."""
     from ._numba_dare import merge_range as kernel
 
     return bool(kernel(*args))
@@ -49,7 +58,7 @@ def build(plan: Plan, spec: MethodSpec, p: Any, block_size: int, device: str, ex
         return None
     if not plan.merge_jobs or not all(eligible(plan, j) for j in plan.merge_jobs):
         return None
-    return DareFast(FastPath(plan, block_size), spec.name, p, eps, seed)
+    return DareFast(FastPath(plan, block_size, rows=spec.row_blocks(p)), spec.name, p, eps, seed)
 
 
 def pieces(start: int, n: int, threads: int) -> list[tuple[int, int]]:
@@ -65,7 +74,8 @@ def pieces(start: int, n: int, threads: int) -> list[tuple[int, int]]:
 
 
 class DareFast:
-    """The merge pass of dare_ta / dare_ties on the fast path; the statistics pass is fastpath's."""
+    """The merge pass of dare_ta / dare_ties / della / della_linear on the fast path; the statistics pass is
+    fastpath's."""
 
     whole_model = False  # nothing is gathered over the whole model before merging (merge.py asks)
 
@@ -77,20 +87,40 @@ class DareFast:
         self.w = agent_weights(preset.summary.split(":")[0], params.weights, n)  # as gta._merge
         div = weight_sum(self.w)  # methods/_ops.combine without a mask
         self.div = div if abs(div) >= 1e-8 else np.float32(1.0)
-        self.dens = np.array(per_agent(params.density, n, "gta", "density"), dtype=np.float32)
+        dens = np.array(per_agent(params.density, n, "gta", "density"), dtype=np.float32)
+        self.magprune = preset.prune == "magprune"
+        # the keep probability's terms as gta.prune_block rounds them: density − ε, 2ε (float32; DARE: ε = 0)
+        eps = np.array(per_agent(getattr(params, "epsilon", 0.0), n, "della", "epsilon"), dtype=np.float32)
+        self.plo = dens - eps if self.magprune else dens
+        self.p2e = np.float32(2.0) * eps
         self.rescale = RESCALE[params.rescale]
         self.elect = preset.sign_election
         self.normalize = bool(preset.normalize if params.normalize is None else params.normalize)
         self.scaling = np.float32(params.scaling)
         self.apply_scaling = params.scaling != 1.0
         self.ones = np.ones(n, dtype=np.float32)
+        self.no_mask = np.empty((n, 0), dtype=np.uint8)
+        self._bits = np.empty(0, dtype=np.uint8)  # reused by every tensor's keep bits
 
     def passes(self, job: Job) -> int:
         """Reads of ``job`` in the merge pass: 2 (L1 sums, merge) for ``l1`` unless it fits in one block."""
-        return 2 if self.rescale == RESCALE["l1"] and job.numel > self.fast.block else 1
+        return 2 if self.rescale == RESCALE["l1"] and job.numel > self.fast.step(job) else 1
 
     def statistics_pass(self, jobs: list[Job], stats: Statistics, bar: Any) -> None:
         statistics_pass_fast(self.fast, jobs, stats, bar)  # a resumed run's counts; DARE itself needs none
+
+    def _rowlen(self, job: Job) -> int:
+        """The kernels' ``row``: MagPrune's row length (gta._row: a 1-D tensor is one row), 0 for DARE."""
+        return _row(job.info.shape) if self.magprune else 0
+
+    def _mask(self, job: Job) -> np.ndarray:
+        """[N, ⌈numel / 8⌉] uint8 for the tensor's keep bits, or [N, 0] (none) above MASK_BYTES."""
+        size = self.n * -(-job.numel // 8)
+        if size > MASK_BYTES:
+            return self.no_mask
+        if self._bits.size < size:
+            self._bits = np.empty(size, dtype=np.uint8)
+        return self._bits[:size].reshape(self.n, -1)
 
     def _seeds(self, job: Job) -> np.ndarray:
         """[N, chunks] uint32: the low 32 bits of each chunk's seed, all that torch's manual_seed keeps."""
@@ -110,14 +140,14 @@ class DareFast:
                   bar: Any) -> None:
         """All reads of one job (``passes(job)`` times its blocks): L1 sums if asked, then the fused merge."""
         fast = self.fast
-        nblocks = -(-job.numel // fast.block)
+        nblocks = -(-job.numel // fast.step(job))
         seeds = self._seeds(job)
 
         def take() -> tuple[int, int, Any, np.ndarray, np.ndarray]:  # counted on the first read only
             return next_block(blocks, job, fast, ts if first_read else None, self.stats_args)
 
         first_read = True
-        l1 = _L1Sums(self.n) if self.rescale == RESCALE["l1"] else None
+        l1 = _L1Sums(self.n, self._mask(job)) if self.rescale == RESCALE["l1"] else None
         factor = self.ones
         if l1 is not None and self.passes(job) == 2:
             for _ in range(nblocks):
@@ -131,15 +161,16 @@ class DareFast:
                 self._l1_block(job, start, stop, base, agents, seeds, l1)
                 factor = l1.factors()
             merged = fast.out_view(slot, job, stop - start)
-            self._merge_block(job, start, base, agents, seeds, factor, merged)
+            self._merge_block(job, start, base, agents, seeds, factor, merged,
+                              l1.bits if l1 is not None else self.no_mask)
             out.write_slot(slot, merged)
             bar.advance((stop - start) * job.out_dtype.itemsize)
 
     def _merge_block(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
-                     factor: np.ndarray, merged: np.ndarray) -> None:
+                     factor: np.ndarray, merged: np.ndarray, mask: np.ndarray) -> None:
         self._threads(job, start, base, agents, lambda lo, hi: merge_range(
-            base, agents, lo, hi, start, seeds, self.dens, self.rescale, factor, self.w, self.elect,
-            self.normalize, self.div, self.scaling, self.apply_scaling, merged))
+            base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, self.rescale, factor, self.w,
+            self.elect, self.normalize, self.div, self.scaling, self.apply_scaling, merged, mask))
 
     def _l1_block(self, job: Job, start: int, stop: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                   l1: _L1Sums) -> None:
@@ -147,14 +178,16 @@ class DareFast:
 
         part = np.empty((2, self.n, (stop - 1) // CHUNK - start // CHUNK + 1, 8), dtype=np.float64)
         self._threads(job, start, base, agents, lambda lo, hi: l1_range(
-            base, agents, lo, hi, start, seeds, self.dens, l1.carry, part))
+            base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, l1.carry, part, l1.bits))
         fold(part, l1.carry, l1.total, start, stop, job.numel)
 
 
 class _L1Sums:
-    """One tensor's Σ|τ_t| (row 0) and Σ|kept τ_t| (row 1) so far, and the lanes of a chunk left open."""
+    """One tensor's Σ|τ_t| (row 0) and Σ|kept τ_t| (row 1) so far, the lanes of a chunk left open, and where its
+    keep bits go ([N, 0]: nowhere)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, bits: np.ndarray) -> None:
+        self.bits = bits
         self.total = np.zeros((2, n), dtype=np.float64)
         self.carry = np.zeros((2, n, 8), dtype=np.float64)
 

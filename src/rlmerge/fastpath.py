@@ -15,6 +15,7 @@ of four output slots, so that computing does not wait on every write.
 """
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -31,6 +32,7 @@ from .blocks import device_type
 from .dtypes import BF16, F32, DType
 from .mapping import DONTNEED, WILLNEED, Mapped
 from .methods import MethodSpec
+from .methods.gta import _row
 from .plan import Job, Plan
 from .stats import Statistics, TensorStats, check_finite
 
@@ -38,6 +40,7 @@ STORED = {BF16: np.uint16, F32: np.float32}  # dtypes the kernels decode and enc
 FUSED = {"ram": kernels.MODE_RAM, "ram+": kernels.MODE_RAMPLUS, "task_arithmetic": kernels.MODE_TA,
          "linear": kernels.MODE_LINEAR, "model_stock": kernels.MODE_STOCK}
 EXACT_GRAM = {"model_stock"}  # methods that merge with the Gram matrix: float64 products (see kernels.py)
+ALIGN_MAX = 1 << 20  # elements: a row-cut block may grow to lcm(row, TILE) up to this (see row_step)
 
 
 def enabled(device: str) -> bool:
@@ -107,6 +110,22 @@ def eligible(plan: Plan, job: Job) -> bool:
     return len(dtypes) == 1 and dtypes.pop() in STORED and len(plan.agents) <= kernels.MAX_AGENTS
 
 
+def row_step(shape: tuple[int, ...], numel: int, block: int) -> int:
+    """Elements per block of a tensor whose blocks must hold whole rows (DELLA: ``shape[1:]``; a 1-D tensor is
+    one row): the whole tensor when it fits in ``block``, else a multiple of lcm(row, TILE), so that every
+    block starts at a whole tile too and the statistics' float32 partial sums do not depend on the block size
+    (kernels.py). At least one such unit, which may exceed ``block`` up to ALIGN_MAX; a row with a large odd
+    factor, whose unit is larger still, is cut at rows only (its report may then differ in the last bits between
+    block sizes; the merged bytes never do)."""
+    row = _row(shape)
+    if numel <= block:
+        return max(numel, 1)
+    unit = math.lcm(row, kernels.TILE)
+    if unit > max(block, ALIGN_MAX):
+        unit = row
+    return max(unit, block // unit * unit)
+
+
 class _Slot:
     """One set of raw buffers: base [block], agents [N, block], output [block] (bytes, viewed per dtype)."""
 
@@ -161,15 +180,17 @@ class _WriteQueue:
 class FastPath:
     """Runs the fused kernels over the eligible jobs of a plan; see the module docstring."""
 
-    def __init__(self, plan: Plan, block_size: int, *, exact_gram: bool = False) -> None:
+    def __init__(self, plan: Plan, block_size: int, *, exact_gram: bool = False, rows: bool = False) -> None:
         self.plan = plan
         self.exact_gram = exact_gram
+        self.rows = rows  # blocks cut at row boundaries (``step``)
         # a whole number of the kernels' tiles: tiles then sit at the same offsets of a tensor whatever the
         # block size and the number of threads, and so do the statistics' float32 partial sums (kernels.py)
         block = -(-block_size // kernels.TILE) * kernels.TILE
         self.block = max(1, min(block, max((j.numel for j in plan.merge_jobs), default=1)))
         n = len(plan.agents)
-        self.slots = [_Slot(n, self.block) for _ in range(4)]
+        size = max((min(self.step(j), j.numel) for j in plan.merge_jobs), default=self.block) if rows else self.block
+        self.slots = [_Slot(n, max(size, 1)) for _ in range(4)]
         self.threads = compute_threads()
         self.hist = np.zeros((self.threads, *kernels.hist_shape(n)), dtype=np.int64)  # per compute thread
         self.gram = np.zeros((self.threads, n, n), dtype=np.float64)
@@ -182,6 +203,10 @@ class FastPath:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="rlmerge-read")
         self._writer = _WriteQueue()
         self._last_write: Future[None] | None = None
+
+    def step(self, job: Job) -> int:
+        """Elements per block of ``job``: ``block``, or with ``rows`` whole rows and tiles (row_step)."""
+        return row_step(job.info.shape, job.numel, self.block) if self.rows else self.block
 
     def close(self, *, abort: bool = False) -> None:
         """Stop the threads; ``abort`` (the merge failed or was interrupted) drops the queued writes."""
@@ -227,8 +252,8 @@ class FastPath:
         place is copied into a slot by the reader thread while the previous block is computed. The next
         block's pages are requested ahead, a finished block's pages are released.
         """
-        spans = [(j, s, min(s + self.block, j.numel)) for j in jobs for _ in range(passes(j) if passes else 1)
-                 for s in range(0, j.numel, self.block)]
+        spans = [(j, s, min(s + self.step(j), j.numel)) for j in jobs for _ in range(passes(j) if passes else 1)
+                 for s in range(0, j.numel, self.step(j))]
         pending: Future[tuple[np.ndarray, np.ndarray]] | None = None
         for k, (job, start, stop) in enumerate(spans):
             slot = self.slots[k % 2]
@@ -374,7 +399,7 @@ def next_block(blocks: Iterator[Any], job: Job, fast: FastPath | None = None, ts
 def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: KernelArgs, ts: TensorStats | None,
                    out: OrderedWriter, bar: Any) -> None:
     """All blocks of one eligible job: fused kernel, statistics into ``ts`` when given, queued write."""
-    for _ in range(-(-job.numel // fast.block)):
+    for _ in range(-(-job.numel // fast.step(job))):
         start, stop, slot, base, agents = next_block(blocks, job)
         merged = fast.out_view(slot, job, stop - start)
         fast.run(job, start, base, agents, args, merged, ts)
