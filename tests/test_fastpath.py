@@ -279,3 +279,45 @@ def test_a_file_that_shrinks_under_its_mapping_is_an_input_error(example) -> Non
     assert expected.size == 100
     mapped.close()
     ckpt.close()
+
+
+def _mapped_rss(paths: set[str]) -> int:
+    """Resident bytes of this process's mappings of ``paths`` (/proc/self/smaps)."""
+    total, current = 0, ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                current = fields[5] if len(fields) >= 6 else ""
+            elif fields[0] == "Rss:" and current in paths:
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc for mapped pages")
+def test_released_blocks_leave_no_mapped_pages_behind(tmp_path: Path) -> None:
+    """Each block's pages are handed back in whole folios: a fault maps a folio's every page, so a block's first
+    fault would re-map the tail of the block before it, and 4 % of every input used to stay resident."""
+    from rlmerge.checkpoint import open_all
+    from rlmerge.plan import build_plan
+    from rlmerge.synthetic import Shape
+
+    shape = Shape("qwen2", vocab=4096, hidden=256, layers=2, heads=4, kv_heads=2, intermediate=1024, tie=True)
+    base, agents = make_example(tmp_path / "in", shape=shape)  # 2.9 M elements: 5.8 MB per model
+    models = open_all([base, *agents])
+    for m in models:  # into the page cache, read the way a first merge reads them
+        for f in m.files:
+            f.read_bytes()
+    plan = build_plan(models[0], models[1:])
+    fast = fastpath.FastPath(plan, 3000)  # blocks of 6 KB per file: ~1000 block boundaries per file
+    files = {str(f) for m in models for f in m.files}
+    total = 0
+    for *_, b, agent_views in fast.blocks(plan.merge_jobs):
+        total += int(b.sum()) + sum(int(a.sum()) for a in agent_views)
+    del b, agent_views
+    # every block was released (page by page, 22.4 of the 23.5 MB stayed mapped on Linux 6.18)
+    assert _mapped_rss(files) <= 0.01 * sum(Path(f).stat().st_size for f in files), _mapped_rss(files)
+    assert total > 0
+    fast.close()
+    for m in models:
+        m.close()

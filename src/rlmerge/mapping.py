@@ -4,6 +4,10 @@ Each safetensors input file is mapped once, read-only. A block is a view into th
 kernel reads the page cache directly instead of a copy ``preadv`` made first (on the benchmark machine the copy
 cost 0.6 s of a core per 4 GB pass, a third of a whole merge). Pages of a finished block are handed back
 (``MADV_DONTNEED``), so the resident set stays bounded by the blocks in flight and never grows with the model;
+they are handed back in whole folios: the page cache holds a file in folios of up to 2 MiB (Linux 6.x), a fault
+maps a folio's every page, and so a block's first fault re-maps the tail of the block released before it (released
+page by page, that left 4 % of every input resident: 160 MB of the 0.5B set at 256 K-element blocks, growing with
+the model);
 the next block is announced (``MADV_WILLNEED``) so that the kernel reads it from disk in the background when
 it is not cached.
 
@@ -25,6 +29,18 @@ from .checkpoint import Checkpoint, TensorInfo
 from .errors import InputError
 
 PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+def _folio_bytes() -> int:
+    """The largest folio a fault may map (the PMD size: 2 MiB on x86-64 and 4 K-page arm64)."""
+    try:
+        size = int(Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        size = 2 << 20
+    return max(PAGE, size // PAGE * PAGE)
+
+
+FOLIO = _folio_bytes()
 
 
 class Mapped:
@@ -56,13 +72,15 @@ class Mapped:
         return np.frombuffer(mm, dtype=info.dtype.np_storage, count=stop - start, offset=lo)
 
     def advise(self, ckpt: Checkpoint, name: str, start: int, stop: int, advice: int) -> None:
-        """madvise the pages of elements [start, stop) of ``name`` (whole pages inside the mapping)."""
+        """madvise the pages of elements [start, stop) of ``name`` (whole pages inside the mapping); DONTNEED
+        takes every folio those pages may sit in (a page re-faulted later is read from the page cache again)."""
         info: TensorInfo = ckpt.tensors[name]
         got = self._maps.get(info.file)
         if got is None or not hasattr(got[0], "madvise"):
             return
-        lo = (info.offset + start * info.dtype.itemsize) // PAGE * PAGE
-        hi = min(got[1], info.offset + stop * info.dtype.itemsize)
+        unit = FOLIO if advice == DONTNEED else PAGE
+        lo = (info.offset + start * info.dtype.itemsize) // unit * unit
+        hi = min(got[1], -(-(info.offset + stop * info.dtype.itemsize) // unit) * unit)
         if hi > lo:
             with contextlib.suppress(OSError):  # advice only
                 got[0].madvise(advice, lo, hi - lo)
