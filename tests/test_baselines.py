@@ -201,7 +201,7 @@ def test_fisher_inputs_are_validated(example, tmp_path: Path) -> None:
     with pytest.raises(RLMergeError, match="side input stores") as e:
         rlmerge.merge(base, agents, tmp_path / "o", method="fisher", params={"fisher": bad})
     assert e.value.exit_code == InputError.exit_code and not (tmp_path / "o").exists()
-    with pytest.raises(ConfigError, match="2 side input"):
+    with pytest.raises(ConfigError, match="2 value\\(s\\) of fisher given for 3 agent"):
         rlmerge.merge(base, agents, tmp_path / "o", method="fisher", params={"fisher": files[:2]})
     with pytest.raises(ConfigError, match="rlmerge fisher"):
         rlmerge.merge(base, agents, tmp_path / "o", method="fisher")

@@ -143,8 +143,18 @@ def test_existing_output_refused_then_forced(example, tmp_path: Path, capsys) ->
     code, _, err = run(capsys, "merge", base, *agents, "-o", out)
     assert code == 4 and "already exists" in err and "--force" in err
     assert (out / "keep.txt").read_text() == "mine"
-    code, _, _ = run(capsys, "merge", base, *agents, "-o", out, "--force", "-q")
-    assert code == 0 and not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    # --force replaces only a folder rlmerge wrote: this one holds the user's file, and stays as it is
+    code, _, err = run(capsys, "merge", base, *agents, "-o", out, "--force", "-q")
+    assert code == 4 and "replaces only a folder rlmerge wrote" in err and "keep.txt" in err
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    code, _, _ = run(capsys, "merge", base, *agents, "-o", out, "--method", "ram", "-q")  # an empty folder
+    assert code == 4
+    code, _, _ = run(capsys, "merge", base, *agents, "-o", out, "--method", "ram", "-q", "--force")
+    assert code == 0 and (out / "model.safetensors").exists()
+    first = (out / "rlmerge.json").read_text()
+    code, _, _ = run(capsys, "merge", base, *agents, "-o", out, "--force", "-q")  # rlmerge's own: replaced
+    assert code == 0 and (out / "rlmerge.json").read_text() != first
     assert not list(tmp_path.glob(".m.rlmerge-*"))
 
 

@@ -99,7 +99,8 @@ def test_non_float_tensors_copied_and_extra_agent_tensors_dropped(tmp_path: Path
 
     cfg = {"architectures": ["Tiny"], "tie_word_embeddings": False}
     b = write_checkpoint(tmp_path / "b", {"w": torch.zeros(4), "ids": torch.arange(5)}, cfg, tokenizer=False)
-    a = write_checkpoint(tmp_path / "a", {"w": torch.ones(4), "ids": torch.arange(5) * 7,
+    # the agent holds the base's ids (one that changed them is refused: test_refusals.py)
+    a = write_checkpoint(tmp_path / "a", {"w": torch.ones(4), "ids": torch.arange(5),
                                           "v_head.weight": torch.ones(3)}, cfg, tokenizer=False)
     res = rlmerge.merge(b, [a], tmp_path / "o", method="ram")
     got = load_output(tmp_path / "o")

@@ -196,7 +196,7 @@ def test_dtype_mismatch_and_identical_agent(example, tmp_path: Path) -> None:
     assert sum(w.startswith(f"agent {label} stores") for w in doc["warnings"]) == 1  # plan's warning, not twice
     assert sum("identical to the base" in w for w in doc["warnings"]) == 2
     assert doc["per_agent"][1]["rho"] == 0.0 and doc["per_agent"][1]["ram_plus"]["paper"] == 1.0
-    # fp16 is not wider than bf16, so the plan does not warn; the report does, once, naming both dtypes.
+    # fp16 is as wide as bf16 and still another dtype: warned once, naming both dtypes.
     doc = rlmerge.inspect(base, [half]).doc
     warned = [w for w in doc["warnings"] if "stores" in w]
-    assert len(warned) == 1 and "in float16 against a bfloat16 base" in warned[0]
+    assert len(warned) == 1 and "stores F16 against a BF16 base" in warned[0]

@@ -18,7 +18,7 @@ import rlmerge
 from rlmerge import writer as writer_mod
 from rlmerge.cli import main
 from rlmerge.errors import OutputError
-from rlmerge.partial import LOCK, PROGRESS, partial_path
+from rlmerge.partial import LOCK, PROGRESS, PartialDir, partial_path
 
 # A real CLI run that, in the child only, pauses before writing once HOLD_AFTER shards are complete and
 # for as long as the file HOLD exists: the signal lands mid-merge however fast the merge itself is.
@@ -193,7 +193,7 @@ def test_disk_full_is_a_clear_error_and_inputs_are_untouched(example, tmp_path: 
     opts = ["-q", "--method", "ram", "--shard-size", shard_size]
     args = [str(base), *map(str, agents), "-o", str(tmp_path / "out"), *opts]
     before = _digest([base, *agents])
-    real_open = open
+    real_reopen = PartialDir.reopen  # how the writer opens a shard to fill it
 
     written = [0]  # bytes on the "disk", over all files
 
@@ -217,7 +217,7 @@ def test_disk_full_is_a_clear_error_and_inputs_are_untouched(example, tmp_path: 
             self.f.close()
 
     with monkeypatch.context() as m:  # the disk is full after 30 kB of shards
-        m.setattr(writer_mod, "open", lambda *a, **k: FullDisk(real_open(*a, **k)), raising=False)
+        m.setattr(PartialDir, "reopen", lambda self, name: FullDisk(real_reopen(self, name)))
         code = main(["merge", *args])
     assert code == OutputError.exit_code == 4
     assert "the disk is full" in capsys.readouterr().err
@@ -285,10 +285,10 @@ def test_output_appearing_during_the_merge_is_not_replaced(example, tmp_path: Pa
     out = tmp_path / "out"
     orig = writer_mod.CheckpointWriter.finish
 
-    def finish(w: writer_mod.CheckpointWriter) -> Path:
+    def finish(w: writer_mod.CheckpointWriter, manifest: dict) -> Path:
         out.mkdir()  # someone else's finished output lands just before ours is published
         (out / "theirs").write_text("keep me")
-        return orig(w)
+        return orig(w, manifest)
 
     with monkeypatch.context() as m:
         m.setattr(writer_mod.CheckpointWriter, "finish", finish)

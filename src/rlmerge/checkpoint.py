@@ -10,10 +10,14 @@ match the shape, duplicate names, a huge header) is caught with the file and ten
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,87 @@ SIDE_FILES = (
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
     "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
 )
+
+
+class FilePool:
+    """The input files open at once, shared by every checkpoint and thread, at most ``limit`` of them.
+
+    A merge of many agents of a many-shard model would pass the usual limit of 1,024 open files; here the least
+    recently used file that no thread is reading is closed when another must open. A file is reopened by path,
+    and must then be the same file (device, inode, size) as when it was first opened, or the read fails with an
+    ``InputError`` naming it: a file replaced during a merge is never read half old, half new.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._open: OrderedDict[Path, list[int]] = OrderedDict()  # file → [fd, readers now]
+        self._ident: dict[Path, tuple[int, int, int]] = {}
+
+    @contextlib.contextmanager
+    def fd(self, file: Path) -> Iterator[int]:
+        with self._lock:
+            entry = self._open.get(file)
+            if entry is None:
+                entry = self._open[file] = [self._open_checked(file), 0]
+                self._evict()
+            self._open.move_to_end(file)
+            entry[1] += 1
+        try:
+            yield entry[0]
+        finally:
+            with self._lock:
+                entry[1] -= 1
+
+    def _open_checked(self, file: Path) -> int:
+        try:
+            fd = os.open(file, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        except OSError as e:
+            raise InputError(f"cannot open: {e.strerror}", file=str(file),
+                             hint="the file vanished or became unreadable while merging") from e
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino, st.st_size)
+        if self._ident.setdefault(file, ident) != ident:
+            os.close(fd)
+            raise InputError("the file was replaced while merging", file=str(file),
+                             hint="another program changed it; let it finish, then merge again")
+        return fd
+
+    def _evict(self) -> None:
+        for file in list(self._open):
+            if len(self._open) <= self.limit:
+                return
+            fd, readers = self._open[file]
+            if readers == 0:
+                os.close(fd)
+                del self._open[file]
+
+    def close(self, files: Iterable[Path]) -> None:
+        """Close ``files`` (a checkpoint is done with them) and forget their identity."""
+        with self._lock:
+            for f in files:
+                entry = self._open.get(f)
+                if entry is not None and entry[1] == 0:
+                    os.close(entry[0])
+                    del self._open[f]
+                self._ident.pop(f, None)
+
+
+def descriptor_budget(most: int) -> int:
+    """Descriptors one pool of open files may hold: a quarter of this process's limit, at least 8, at most
+    ``most`` (the open inputs and their mappings are two such pools; Python and the libraries need the rest)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+    except (ImportError, OSError, ValueError):
+        soft = 1024
+    return max(8, min(most, soft // 4))
+
+
+FILES = FilePool(descriptor_budget(256))
 
 
 @dataclass(frozen=True)
@@ -72,12 +157,14 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
         raise InputError(f"cannot read: {e.strerror}", file=str(path)) from e
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [k for k, _ in pairs]
-        dup = {k for k in keys if keys.count(k) > 1}
+        out = dict(pairs)
+        if len(out) == len(pairs):
+            return out
+        dup = {k for k, n in Counter(k for k, _ in pairs).items() if n > 1}
         if dup:
             raise InputError("duplicate tensor names in header", file=str(path), tensor=sorted(dup)[0],
                              hint="the file is corrupt; re-save the checkpoint")
-        return dict(pairs)
+        return out
 
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
@@ -141,10 +228,9 @@ class Checkpoint:
         self.tensors: dict[str, TensorInfo] = {}
         self.header_bytes: dict[Path, bytes] = {}
         self.format = ""
-        self._handles: dict[Path, Any] = {}
         self._bin: dict[Path, dict[str, torch.Tensor]] = {}
         self._scratch = bytearray()
-        self._roots = _allowed_roots(path)
+        self.roots = _allowed_roots(path)
         config = self._read_json("config.json")
         if config is not None and not isinstance(config, dict):
             raise InputError("config.json is not a JSON object", file=str(path / "config.json"))
@@ -167,7 +253,7 @@ class Checkpoint:
 
     def check_inside(self, p: Path) -> None:
         """Refuse a file that resolves (through symlinks) outside the model folder."""
-        if not _inside(p, self._roots):
+        if not _inside(p, self.roots):
             raise InputError(f"{p.name} resolves outside the model folder (to {p.resolve()})", file=str(p),
                              hint="refusing to read files outside the checkpoint; copy the file into the folder")
 
@@ -242,7 +328,7 @@ class Checkpoint:
             raise InputError("the file holds no tensors at its top level", file=str(f),
                              hint="a training checkpoint? save the model's state_dict() on its own")
         self._bin[f] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-        return {k: TensorInfo(k, from_torch(v.dtype), tuple(v.shape), f) for k, v in self._bin[f].items()}
+        return {k: TensorInfo(k, _bin_dtype(f, k, v), tuple(v.shape), f) for k, v in self._bin[f].items()}
 
     @property
     def files(self) -> list[Path]:
@@ -293,24 +379,34 @@ class Checkpoint:
         size = info.dtype.itemsize
         nbytes = (stop - start) * size
         view = buf[:nbytes]
-        got = os.preadv(self.handle(info.file).fileno(), [view], info.offset + start * size)
+        with self.fd(info.file) as fd:
+            got = os.preadv(fd, [view], info.offset + start * size)
         if got != nbytes:
             raise InputError(f"short read: wanted {nbytes} bytes, got {got}", file=str(info.file),
                              tensor=info.name, hint="the file changed or was truncated while merging")
         return view
 
-    def handle(self, file: Path) -> Any:
-        """The open file behind ``file``; open every file once from one thread before reading from several."""
-        fh = self._handles.get(file)
-        if fh is None:
-            fh = self._handles[file] = open(file, "rb", buffering=0)  # noqa: SIM115 closed in close()
-        return fh
+    def fd(self, file: Path) -> contextlib.AbstractContextManager[int]:
+        """``with ckpt.fd(file) as fd:`` a descriptor of ``file`` from the shared pool (safe across threads)."""
+        return FILES.fd(file)
 
     def close(self) -> None:
-        for fh in self._handles.values():
-            fh.close()
-        self._handles.clear()
+        FILES.close(self.files)
         self._scratch = bytearray()
+
+
+def _bin_dtype(f: Path, name: str, t: torch.Tensor) -> DType:
+    """The stored dtype of a plain, dense tensor from a ``.bin``; anything else is refused, naming it."""
+    why = ("a meta tensor (shape only, no data)" if t.is_meta else
+           f"a {t.layout} tensor, not a dense one" if t.layout != torch.strided else
+           f"a {str(t.dtype).removeprefix('torch.')} tensor" if t.is_complex() else None)
+    if why is None:
+        try:
+            return from_torch(t.dtype)
+        except ValueError:
+            why = f"a {str(t.dtype).removeprefix('torch.')} tensor, a dtype rlmerge does not read"
+    raise InputError(f"{why}", file=str(f), tensor=name,
+                     hint="save the model's materialised, dense state_dict (e.g. save_pretrained) and retry")
 
 
 def _allowed_roots(folder: Path) -> list[Path]:
@@ -334,6 +430,12 @@ def resolve(spec: str | os.PathLike[str]) -> tuple[Path, str | None]:
         return p, None
     if not HUB_ID.match(text) or text.startswith((".", "/", "~")):
         raise InputError("no such folder", file=text, hint="check the path")
+    parent = p.parent
+    if parent.is_dir():  # ``ck/agent9`` where ck/ exists: a local path with a typo, not a hub id
+        raise InputError(f"no such folder (read as a local path, not a hub id, because the folder {parent}/ "
+                         "exists here)", file=text,
+                         hint=f"check the path; to fetch the hub model {text!r}, run from a folder that has no "
+                              f"{parent}/ in it")
     repo, _, rev = text.partition("@")
     from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_OFFLINE
@@ -350,14 +452,19 @@ def resolve(spec: str | os.PathLike[str]) -> tuple[Path, str | None]:
     return Path(local), rev or None
 
 
+def open_one(spec: str | os.PathLike[str]) -> Checkpoint:
+    """Resolve (a folder or a hub id) and open one model, headers only."""
+    path, rev = resolve(spec)
+    return Checkpoint(path, label=str(spec), revision=rev)
+
+
 def open_all(specs: list[str | os.PathLike[str]]) -> list[Checkpoint]:
     """Resolve and open every model, collecting all problems before failing."""
     out: list[Checkpoint] = []
     problems: list[RLMergeError] = []
     for s in specs:
         try:
-            path, rev = resolve(s)
-            out.append(Checkpoint(path, label=str(s), revision=rev))
+            out.append(open_one(s))
         except RLMergeError as e:
             problems.append(e)
     raise_all(problems)

@@ -30,6 +30,7 @@ from . import kernels
 from ._torch import torch
 from .blocks import device_type
 from .dtypes import BF16, F32, DType
+from .errors import ConfigError
 from .mapping import DONTNEED, WILLNEED, Mapped
 from .methods import MethodSpec
 from .methods.gta import _row
@@ -50,10 +51,16 @@ def enabled(device: str) -> bool:
 
 def compute_threads() -> int:
     """Threads that run the kernels: RLMERGE_THREADS, else every CPU this process may use."""
-    if os.environ.get("RLMERGE_THREADS"):
-        return max(1, int(os.environ["RLMERGE_THREADS"]))
     affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every CPU
-    return max(1, len(affinity(0)) if affinity else (os.cpu_count() or 1))
+    cpus = max(1, len(affinity(0)) if affinity else (os.cpu_count() or 1))
+    text = os.environ.get("RLMERGE_THREADS", "").strip()
+    if not text:
+        return cpus
+    most = max(8, 4 * cpus)  # more only adds contention, and every thread keeps its own histograms
+    if not text.isdigit() or not 1 <= int(text) <= most:
+        raise ConfigError(f"RLMERGE_THREADS={text!r} must be a whole number from 1 to {most} ({cpus} CPU(s) here)",
+                          hint=f"unset it to use all {cpus} CPU(s), or set e.g. RLMERGE_THREADS={cpus}")
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -195,9 +202,6 @@ class FastPath:
         self.hist = np.zeros((self.threads, *kernels.hist_shape(n)), dtype=np.int64)  # per compute thread
         self.gram = np.zeros((self.threads, n, n), dtype=np.float64)
         self._dummy_out = np.empty(1, dtype=np.float32)
-        for m in (plan.base, *plan.agents):  # open every file here, before the reader thread reads
-            for f in m.files:
-                m.handle(f)
         self.mapped = Mapped()
         self._compute = ThreadPoolExecutor(self.threads, thread_name_prefix="rlmerge-compute")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="rlmerge-read")

@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
+from . import __version__
 from .blocks import tensor_bytes
 from .checkpoint import TensorInfo, resolve
 from .dtypes import F32
-from .errors import ConfigError, InputError, OutputError
-from .partial import PartialDir
+from .errors import ConfigError, InputError
+from .partial import PartialDir, check_output
 from .plan import Job
 from .writer import CheckpointWriter
 
@@ -94,9 +95,8 @@ def estimate_fisher(model: str | os.PathLike[str], data: str | os.PathLike[str],
         raise ConfigError("estimating a Fisher needs transformers", hint="pip install 'rlmerge[hf]'") from e
     path, _ = resolve(model)
     out = Path(output)
-    if out.exists() and not force:  # refuse an existing output before loading anything
-        raise OutputError("output folder already exists", file=str(out),
-                          hint="choose another output folder, or pass --force to replace it")
+    inputs = [path, Path(data)]
+    check_output(out, inputs, force=force)  # before anything is loaded
     rows = read_examples(Path(data), examples)
     tok = AutoTokenizer.from_pretrained(path)
     net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
@@ -115,20 +115,22 @@ def estimate_fisher(model: str | os.PathLike[str], data: str | os.PathLike[str],
         used += 1
     if used == 0:
         raise InputError("no example has a target token", file=str(data), hint="raise --max-length")
-    _write(out, acc, used, force=force, meta={"model": str(model), "data": str(data), "examples": used,
-                                               "data_sha256": hashlib.sha256(Path(data).read_bytes()).hexdigest(),
-                                               "max_length": max_length, "estimator": "empirical"})
+    _write(out, acc, used, force=force, inputs=inputs,
+           meta={"model": str(model), "data": str(data), "examples": used,
+                 "data_sha256": hashlib.sha256(Path(data).read_bytes()).hexdigest(), "max_length": max_length,
+                 "estimator": "empirical"})
     return out
 
 
-def _write(out: Path, acc: dict[str, torch.Tensor], used: int, *, force: bool, meta: dict[str, Any]) -> None:
+def _write(out: Path, acc: dict[str, torch.Tensor], used: int, *, force: bool, meta: dict[str, Any],
+           inputs: list[Path]) -> None:
     jobs = [Job(n, "merge", TensorInfo(n, F32, tuple(t.shape), Path(n)), F32, ())
             for n, t in acc.items()]
-    with PartialDir(out, force=force) as partial, \
+    with PartialDir(out, force=force, inputs=inputs) as partial, \
             CheckpointWriter(partial, jobs, metadata={"rlmerge_fisher": "empirical"}) as writer:
         for job in jobs:  # one shard, or greedy shards in this order: the writer's order
             writer.begin(job)
             writer.write(tensor_bytes((acc[job.name] / used).cpu()))
         writer.write_text("fisher.json", json.dumps(meta, indent=2) + "\n")
-        writer.finish()
+        writer.finish({"rlmerge_version": __version__, "kind": "fisher", **meta})
 

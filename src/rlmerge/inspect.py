@@ -15,6 +15,7 @@ from .checkpoint import open_all
 from .errors import ConfigError, RLMergeError, raise_all
 from .merge import statistics_pass
 from .methods import BlockContext
+from .partial import output_problems, write_file
 from .plan import build_plan
 from .progress import Progress
 from .report import Report, build_report, dtype_facts
@@ -48,8 +49,12 @@ def _check(epsilon: float, thresholds: Sequence[float]) -> tuple[float, ...]:
 def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]], *, epsilon: float = 1e-5,
             thresholds: Sequence[float] = DEFAULT_THRESHOLDS, block_size: int = DEFAULT_BLOCK,
             device: str = "cpu", allow_missing: bool = False, count_tied_twice: bool = False,
-            quiet: bool = True) -> Report:
-    """Measure the task vectors τ_t = θ_t − θ₀ of ``agents`` against ``base``; no output is written.
+            quiet: bool = True, save: str | os.PathLike[str] | None = None,
+            plots: str | os.PathLike[str] | None = None, force: bool = False) -> Report:
+    """Measure the task vectors τ_t = θ_t − θ₀ of ``agents`` against ``base``.
+
+    ``save`` (a JSON file) and ``plots`` (a folder of PNGs) are written at the end, and checked like every
+    output (never an input, never through a link; ``force`` replaces only what rlmerge wrote) before the pass.
 
     >>> rep = rlmerge.inspect("base/", ["coder/", "tools/", "memory/"])  # doctest: +SKIP
     >>> rep.doc["recommendation"]["summary"], rep.doc["per_agent"][0]["density"]  # doctest: +SKIP
@@ -57,6 +62,10 @@ def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
     extra = _check(epsilon, thresholds)
     models = open_all([base, *agents])
     try:
+        problems = output_problems(save, models, force=force, kind="file") if save is not None else []
+        if plots is not None:
+            problems += output_problems(plots, models, force=force)
+        raise_all(problems)
         plan = build_plan(models[0], models[1:], allow_missing=allow_missing, count_tied_twice=count_tied_twice)
         mags = Magnitudes(len(plan.agents))
         stats = Statistics([a.label for a in plan.agents], float(epsilon), thresholds=extra, magnitudes=mags)
@@ -66,7 +75,12 @@ def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
         identical = [f"agent {a} is identical to the base (no element with |τ| > ε): it contributes nothing"
                      for a, c in zip(stats.agents, stats.changed) if c == 0]
         doc = build_report(stats, dtype_facts(plan), base=plan.base.label, warnings=[*plan.warnings, *identical])
+        report = Report(doc, stats)
+        if save is not None:
+            write_file(save, report.to_json().encode(), force=force, inputs=models)
+        if plots is not None:
+            report.save_plots(plots, force=force, inputs=models)
     finally:
         for m in models:
             m.close()
-    return Report(doc, stats)
+    return report

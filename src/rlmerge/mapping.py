@@ -22,11 +22,12 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import Checkpoint, TensorInfo, descriptor_budget
 from .errors import InputError
 
 PAGE = mmap.ALLOCATIONGRANULARITY
@@ -45,17 +46,28 @@ FOLIO = _folio_bytes()
 
 
 class Mapped:
-    """The read-only mappings of some checkpoints' files, opened on first use."""
+    """The read-only mappings of some checkpoints' files, opened on first use, at most ``limit`` at once.
 
-    def __init__(self) -> None:
-        self._maps: dict[Path, tuple[mmap.mmap, int]] = {}  # file → (mapping, size when mapped)
+    Each mapping holds a file descriptor of its own; the least recently used one goes when the limit is
+    reached (a view still alive keeps its pages until it is dropped), so a merge of many agents of a
+    many-shard model stays under the process's limit of open files.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit or descriptor_budget(64)
+        self._maps: OrderedDict[Path, tuple[mmap.mmap, int]] = OrderedDict()  # file → (mapping, size)
 
     def _map(self, ckpt: Checkpoint, file: Path) -> tuple[mmap.mmap, int]:
         got = self._maps.get(file)
         if got is None:
-            fd = ckpt.handle(file).fileno()
-            size = os.fstat(fd).st_size
-            got = self._maps[file] = (mmap.mmap(fd, size, access=mmap.ACCESS_READ), size)
+            with ckpt.fd(file) as fd:
+                size = os.fstat(fd).st_size
+                got = self._maps[file] = (mmap.mmap(fd, size, access=mmap.ACCESS_READ), size)
+            while len(self._maps) > self.limit:
+                _, (old, _) = self._maps.popitem(last=False)
+                with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
+                    old.close()
+        self._maps.move_to_end(file)
         return got
 
     def view(self, ckpt: Checkpoint, name: str, start: int, stop: int) -> np.ndarray | None:
@@ -67,7 +79,9 @@ class Mapped:
         if ckpt.format != "safetensors" or lo % size or stop <= start:
             return None
         mm, mapped_size = self._map(ckpt, info.file)
-        if os.fstat(ckpt.handle(info.file).fileno()).st_size < mapped_size:
+        with ckpt.fd(info.file) as fd:
+            now = os.fstat(fd).st_size
+        if now < mapped_size:
             raise InputError("the file shrank while merging", file=str(info.file), tensor=name,
                              hint="another program changed it; let it finish, then merge again")
         return np.frombuffer(mm, dtype=info.dtype.np_storage, count=stop - start, offset=lo)

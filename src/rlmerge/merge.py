@@ -14,10 +14,8 @@ from typing import Any
 from . import fastdare, fastgta
 from ._torch import torch
 from .blocks import DEFAULT_BLOCK, Block, BlockReader, device_type, spans, tensor_bytes
-from .budget import check_memory, estimate_memory
-from .checkpoint import SIDE_FILES, Checkpoint, open_all
-from .dtypes import BF16, F16, F32, DType, by_name
-from .errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
+from .checkpoint import SIDE_FILES, Checkpoint
+from .errors import ConfigError, InputError, RLMergeError, raise_all
 from .fastpath import (
     EXACT_GRAM,
     FUSED,
@@ -29,26 +27,15 @@ from .fastpath import (
     merge_job_fast,
     statistics_pass_fast,
 )
-from .methods import BlockContext, MethodSpec, get_method
-from .partial import PartialDir, check_output_location, fingerprint
-from .plan import Job, Plan, build_plan
+from .methods import BlockContext, MethodSpec
+from .partial import PartialDir, fingerprint, input_identity
+from .plan import Job, Plan
+from .preflight import preflight
 from .progress import Progress
 from .provenance import model_card, provenance
 from .report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
 from .stats import Statistics, check_finite
-from .writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, parse_size, shard_header
-
-OUT_DTYPES = (BF16, F16, F32)  # what --dtype may ask for
-
-
-def parse_dtype(name: str | DType | Any | None) -> DType | None:
-    """'bfloat16', 'bf16', 'fp16', 'float32', … (or a DType, or a torch dtype) → the output DType."""
-    if name is None or isinstance(name, DType):
-        return name
-    dtype = by_name(str(name))
-    if dtype not in OUT_DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}", hint="use bfloat16, float16 or float32")
-    return dtype
+from .writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
 
 
 @dataclass
@@ -83,51 +70,22 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     still verifies every kept shard by its CRC-32).
     """
     t0 = time.perf_counter()
-    spec = get_method(method)
-    p = spec.parse(params)  # bad parameters fail before any file is opened
-    out_dtype = parse_dtype(dtype)
-    device_type(device)  # an unknown or unusable device fails here, before any file is opened
-    shard_bytes = parse_size(shard_size)
-    out = Path(output)
-    if out.exists() and not force:  # refused now, before any work
-        raise OutputError("output folder already exists", file=str(out),
-                          hint="choose another -o, or pass --force to replace it")
-    extra_specs = spec.extra_inputs(p) or ()
-    if extra_specs and len(extra_specs) != len(agents):
-        raise ConfigError(f"method {spec.name!r}: {len(extra_specs)} side input(s) given for {len(agents)} agent(s)",
-                          hint="give one per agent, in the order the agents are listed")
-    models = open_all([base, *agents, *extra_specs])
-    extras = models[1 + len(agents):]
+    pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
+                   block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
+                   count_tied_twice=count_tied_twice, seed=seed)
     try:
-        check_output_location(out, models)
-        plan = build_plan(models[0], models[1:1 + len(agents)], dtype=out_dtype, allow_missing=allow_missing,
-                          count_tied_twice=count_tied_twice)
-        check_side_inputs(plan, extras)
-        check_memory(estimate_memory(plan.base, [*plan.agents, *extras], block_size), len(plan.agents))
-        with PartialDir(out, force=force, resume=resume) as partial:
-            result = _run(plan, spec, p, partial, shard_bytes=shard_bytes, block_size=block_size, device=device,
-                          seed=seed, quiet=quiet, recipe=recipe, extras=extras, fsync=fsync)
+        raise_all(pf.problems)
+        assert pf.plan is not None and pf.spec is not None  # no problems: every stage ran
+        check_copies(pf.plan)  # reads the copied tensors only, before anything is written
+        extras = [x for x in pf.extras if x is not None]
+        with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
+            result = _run(pf.plan, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,
+                          block_size=pf.block_size, device=device, seed=seed, quiet=quiet, recipe=recipe,
+                          extras=extras, fsync=fsync)
     finally:
-        for m in models:
-            m.close()
+        pf.close()
     result.seconds = time.perf_counter() - t0
     return result
-
-
-def check_side_inputs(plan: Plan, extras: list[Checkpoint]) -> None:
-    """Every merged tensor must be in every side input (e.g. a Fisher file), with the base's shape."""
-    problems: list[RLMergeError] = []
-    for ckpt in extras:
-        for job in plan.merge_jobs:
-            info = ckpt.tensors.get(job.name)
-            if info is None:
-                problems.append(InputError("tensor missing from the side input", file=str(ckpt.path),
-                                           tensor=job.name, hint="it must hold every float tensor of the base"))
-            elif info.shape != job.info.shape or not info.is_float:
-                problems.append(InputError(f"side input stores {list(info.shape)} where the base has "
-                                           f"{list(job.info.shape)}", file=str(info.file), tensor=job.name,
-                                           hint="it was computed for another model; recompute it"))
-    raise_all(problems)
 
 
 def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_bytes: int, block_size: int,
@@ -142,7 +100,7 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_byt
         "device": device_type(device),  # float results may differ between CPU and GPU kernels
         "headers": [shard_header(s, metadata).hex() for s in layout_shards(plan.jobs, shard_bytes)]})
     writer = CheckpointWriter(partial, plan.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp,
-                              fsync=fsync)
+                              fsync=fsync, identity=input_identity([plan.base, *plan.agents, *(extras or [])]))
     gta = (fastgta.build(plan, spec, p, block_size, device, observer, extras, stats.epsilon)
            or fastdare.build(plan, spec, p, block_size, device, extras, stats.epsilon, seed))
     fast = gta.fast if gta is not None else _fast_path(plan, spec, p, block_size, device, observer, extras)
@@ -167,12 +125,11 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_byt
         if not needs_stats:
             result.warnings += _identical_agents(stats)
         _side_files(plan.base, writer, plan)
-        writer.write_text("rlmerge.json", provenance(plan, result, recipe))
         # The statistics this merge already collected feed the report: no extra pass.
         doc = build_report(stats, dtype_facts(plan), base=plan.base.label, warnings=result.warnings)
         writer.write_text(REPORT_FILE, to_json(doc))
         writer.write_text("README.md", model_card(plan, result) + "\n" + to_markdown(doc, level=2))
-        writer.finish()
+        writer.finish(provenance(plan, result, recipe))
     return result
 
 
@@ -294,10 +251,45 @@ def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepar
                 else:
                     check_finite(blk.deltas, blk.deltas.sum(1), name=job.name, files=files, start=blk.start)
                 merged = spec.merge(blk.base, blk.deltas, p, _ctx(job, blk, prepared, stats, seed))
-                out.write_now(tensor_bytes(merged.to(job.out_dtype.torch).cpu()))
+                out.write_now(tensor_bytes(_cast(merged, job, blk.start)))
                 bar.advance(blk.n * job.out_dtype.itemsize)
             bar.tensor_done()
         out.drain()
+
+
+def _cast(merged: torch.Tensor, job: Job, start: int) -> torch.Tensor:
+    """The merged float32 block in the output dtype; a value that dtype cannot hold is an error, not an inf."""
+    out = merged.to(job.out_dtype.torch).cpu()
+    if job.out_dtype.itemsize < 4:
+        bad = torch.isinf(out) & torch.isfinite(merged.cpu())
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ConfigError(f"the merged value {float(merged[i]):g} at flat element {start + i} does not fit in "
+                              f"{job.out_dtype}: it would be written as infinity", tensor=job.name,
+                              hint="write bfloat16 or float32 (--dtype), which hold it")
+    return out
+
+
+def check_copies(plan: Plan) -> None:
+    """A tensor rlmerge does not merge (integers, buffers) is copied from the base: every agent that has it must
+    hold the same bytes, or the agent's change would be silently lost. Raises naming the file and the tensor."""
+    problems: list[RLMergeError] = []
+    for job in plan.jobs:
+        if job.kind != "copy":
+            continue
+        for agent, here in zip(plan.agents, job.present):
+            if not here:
+                continue
+            info = agent.tensors[job.name]
+            step = max(1, (1 << 24) // max(job.info.dtype.itemsize, 1))
+            if info.dtype != job.info.dtype or any(
+                    bytes(plan.base.read_raw(job.name, a, b)) != bytes(agent.read_raw(job.name, a, b))
+                    for a, b in spans(job.numel, step)):
+                problems.append(InputError(f"the agent changed a {info.dtype.code} tensor, which rlmerge copies "
+                                           "from the base instead of merging", file=str(info.file), tensor=job.name,
+                                           hint="only float tensors are merged: restore this tensor to the "
+                                                "base's, or leave this agent out"))
+    raise_all(problems)
 
 
 def _side_files(base: Checkpoint, writer: CheckpointWriter, plan: Plan) -> None:

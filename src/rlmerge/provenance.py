@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -60,7 +59,8 @@ def agent_rows(result: MergeResult) -> list[dict[str, Any]]:
     return rows
 
 
-def provenance(plan: Plan, result: MergeResult, recipe: Mapping[str, Any] | None) -> str:
+def provenance(plan: Plan, result: MergeResult, recipe: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``rlmerge.json``'s content (the writer adds the list of files it wrote)."""
     params = dataclasses.asdict(result.params) if dataclasses.is_dataclass(result.params) else {}
     doc = {
         "rlmerge_version": __version__,
@@ -77,7 +77,7 @@ def provenance(plan: Plan, result: MergeResult, recipe: Mapping[str, Any] | None
         "missing_tensors_allowed": plan.missing,
         "warnings": result.warnings,
     }
-    return json.dumps(doc, indent=2, default=str) + "\n"
+    return doc
 
 
 def model_card(plan: Plan, result: MergeResult) -> str:

@@ -13,18 +13,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .errors import ConfigError, RLMergeError, raise_all
+from .errors import ConfigError, ProblemsError, RLMergeError, raise_all
 from .mergekit_names import translate
+from .params import parse_params
 
 TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "options", "tokenizer_source"}
 MODEL_KEYS = {"model", "parameters"}
-OPTIONS = {"shard_size", "block_size", "allow_missing", "count_tied_twice", "seed", "device"}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """A recipe's ``options:``, typed like the command line's flags (a quoted "false" is false)."""
+
+    shard_size: str | None = None
+    block_size: int | None = None
+    allow_missing: bool | None = None
+    count_tied_twice: bool | None = None
+    seed: int | None = None
+    device: str | None = None
+
+
+OPTIONS = {f.name for f in fields(RunOptions)}
 
 
 @dataclass
@@ -116,7 +131,12 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
         options = {}
     for key in _unknown(options, OPTIONS):
         bad(f"unsupported option {key!r}", hint=f"supported options: {', '.join(sorted(OPTIONS))}")
+    typed: dict[str, Any] = {}
+    try:
+        run = parse_params(RunOptions, {k: v for k, v in options.items() if k in OPTIONS}, where="recipe options")
+        typed = {k: v for k, v in asdict(run).items() if v is not None}
+    except RLMergeError as e:
+        problems += e.problems if isinstance(e, ProblemsError) else [e]
     dtype = doc.get("out_dtype", doc.get("dtype"))  # mergekit computes in dtype and writes out_dtype
     raise_all(problems)
-    return Recipe(str(method), str(base), agents, params, None if dtype is None else str(dtype), dict(options),
-                  raw=doc)
+    return Recipe(str(method), str(base), agents, params, None if dtype is None else str(dtype), typed, raw=doc)

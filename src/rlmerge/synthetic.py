@@ -105,7 +105,17 @@ def perturb(base: dict[str, torch.Tensor], density: float, *, seed: int, dtype: 
 
 
 def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], cfg: dict[str, object], *,
-                     tokenizer: bool = True) -> Path:
+                     tokenizer: bool = True, owned: bool = False) -> Path:
+    """A model folder; ``owned``: written whole, with rlmerge.json listing its files, replacing only an earlier
+    one rlmerge wrote (the demo's inputs)."""
+    if owned:
+        from . import __version__
+        from .partial import owned_folder
+
+        with owned_folder(path, {"rlmerge_version": __version__, "kind": "example"}, force=True) as partial:
+            write_checkpoint(partial.tmp, tensors, cfg, tokenizer=tokenizer)
+            partial.adopt()
+        return path
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
@@ -142,15 +152,18 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
 
 def make_example(root: Path, *, shape: Shape = Shape(), densities: tuple[float, ...] = PAPER_DENSITIES,
                  dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                 names: tuple[str, ...] = ("coder", "tool-use", "memory")) -> tuple[Path, list[Path]]:
-    """Write a base and one agent per density under ``root``; returns (base, agents)."""
+                 names: tuple[str, ...] = ("coder", "tool-use", "memory"), owned: bool = False,
+                 ) -> tuple[Path, list[Path]]:
+    """Write a base and one agent per density under ``root``; returns (base, agents). ``owned``: see
+    ``write_checkpoint``."""
     cfg = config(shape, dtype)
     base32 = random_base(shape, seed=seed)
-    base = write_checkpoint(root / "base", {k: v.to(dtype) for k, v in base32.items()}, cfg)
+    base = write_checkpoint(root / "base", {k: v.to(dtype) for k, v in base32.items()}, cfg, owned=owned)
     agents = []
     for i, d in enumerate(densities):
         name = names[i] if i < len(names) else f"agent{i}"
         # Agents are perturbations of the stored (rounded) base, as real fine-tunes are.
         stored = {k: v.to(dtype).float() for k, v in base32.items()}
-        agents.append(write_checkpoint(root / name, perturb(stored, d, seed=seed + 1 + i, dtype=dtype), cfg))
+        agents.append(write_checkpoint(root / name, perturb(stored, d, seed=seed + 1 + i, dtype=dtype), cfg,
+                                       owned=owned))
     return base, agents

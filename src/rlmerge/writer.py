@@ -14,7 +14,6 @@ import functools
 import json
 import os
 import re
-import shutil
 import sys
 import zlib
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 from .partial import PartialDir, disk_error
 from .plan import Job
 
@@ -131,7 +130,8 @@ class CheckpointWriter:
     """
 
     def __init__(self, partial: PartialDir, jobs: Sequence[Job], *, shard_size: int = DEFAULT_SHARD_SIZE,
-                 metadata: dict[str, str] | None = None, fingerprint: str = "", fsync: bool = True) -> None:
+                 metadata: dict[str, str] | None = None, fingerprint: str = "", fsync: bool = True,
+                 identity: list[list[Any]] | None = None) -> None:
         self.partial = partial
         self.fsync = fsync  # False: the OS writes the shards back when it likes (see merge(fsync=))
         self.output = partial.output
@@ -139,6 +139,7 @@ class CheckpointWriter:
         self.shards = layout_shards(jobs, shard_size)
         self.metadata = {"format": "pt", **(metadata or {})}
         self.fingerprint = fingerprint
+        self.identity = identity or []  # the inputs' files (partial.input_identity), re-checked by --resume
         self._order = [j.name for s in self.shards for j in s.jobs]
         self._shard_of = {j.name: i for i, s in enumerate(self.shards) for j in s.jobs}
         self._next = 0  # index into _order of the tensor being written
@@ -150,13 +151,13 @@ class CheckpointWriter:
         self._remaining = 0  # bytes still owed to the current tensor
 
     def __enter__(self) -> CheckpointWriter:
-        kept = self.partial.start(self.fingerprint, [s.filename for s in self.shards])
+        kept = self.partial.start(self.fingerprint, [s.filename for s in self.shards], self.identity)
         self._next = sum(len(s.jobs) for s in self.shards[:kept])
         self._shard_i = kept - 1
         for shard in self.shards[kept:]:  # a full disk fails now, before anything is computed
             path = self.tmp / shard.filename
             try:
-                with open(path, "wb") as fh:
+                with self.partial.create(shard.filename) as fh:
                     _reserve(fh.fileno(), len(shard_header(shard, self.metadata)) + shard.nbytes)
             except OSError as e:
                 raise disk_error(e, path) from e
@@ -189,7 +190,7 @@ class CheckpointWriter:
         path = self.tmp / self.shards[i].filename
         header = shard_header(self.shards[i], self.metadata)
         try:
-            self._fh = open(path, "r+b")  # noqa: SIM115 reserved in __enter__; closed when the next shard opens
+            self._fh = self.partial.reopen(self.shards[i].filename)  # reserved in __enter__; closed with the shard
             self._fh.write(header)
         except OSError as e:
             raise disk_error(e, path) from e
@@ -233,18 +234,18 @@ class CheckpointWriter:
 
     # -- side files and the final rename ---------------------------------------------------------------
     def write_text(self, name: str, text: str) -> None:
-        try:
-            (self.tmp / name).write_text(text)
-        except OSError as e:
-            raise disk_error(e, self.tmp / name) from e
+        self.partial.write_bytes(name, text.encode())
 
     def copy_file(self, src: Path) -> None:
+        """A side file (config, tokenizer …) of an input, copied whole (they are small)."""
         try:
-            shutil.copyfile(src, self.tmp / src.name)
+            data = src.read_bytes()
         except OSError as e:
-            raise disk_error(e, self.tmp / src.name) from e
+            raise InputError(f"cannot read: {e.strerror}", file=str(src)) from e
+        self.partial.write_bytes(src.name, data)
 
-    def finish(self) -> Path:
+    def finish(self, manifest: dict[str, Any]) -> Path:
+        """Close the last shard, write the index, and publish with ``rlmerge.json`` = ``manifest`` + file list."""
         if self._next != len(self._order) or self._remaining:
             raise RuntimeError("not every tensor was written")
         self._close_shard()
@@ -252,4 +253,4 @@ class CheckpointWriter:
             index = {"metadata": {"total_size": sum(s.nbytes for s in self.shards)},
                      "weight_map": {j.name: s.filename for s in self.shards for j in s.jobs}}
             self.write_text("model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
-        return self.partial.publish()
+        return self.partial.publish(manifest)

@@ -20,7 +20,7 @@ def demo_command(
 
     out.print(f"building a tiny Qwen2 base and 3 agents with densities "
               f"{', '.join(f'{d:.1%}' for d in PAPER_DENSITIES)} in {workdir}/ …")
-    base, agents = make_example(workdir / "inputs")
+    base, agents = make_example(workdir / "inputs", owned=True)  # replaces only an earlier demo's
     res = merge(base, agents, workdir / "merged-ram+", method="ram+", params={"preset": "paper"}, force=True,
                 quiet=False)
     print_result(res)

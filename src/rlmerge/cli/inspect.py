@@ -35,6 +35,8 @@ def inspect_command(
     count_tied_twice: Annotated[bool, typer.Option(help="count tied embeddings twice, as the authors' script")]
     = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no progress bar")] = False,
+    force: Annotated[bool, typer.Option(help="replace a --save report or --plots folder rlmerge wrote earlier")]
+    = False,
 ) -> None:
     """Show what the task vectors (AGENT − BASE) look like: density, overlap, ρ/λ, similarity, per layer."""
     if len(models) < 2:
@@ -44,12 +46,9 @@ def inspect_command(
     extra = {"block_size": block_size} if block_size is not None else {}
     rep = inspect(models[0], models[1:], epsilon=eps, thresholds=parse_thresholds(thresholds), device=device,
                   allow_missing=allow_missing, count_tied_twice=count_tied_twice,
-                  quiet=quiet or json_out or markdown, **extra)
-    if save is not None:
-        save.parent.mkdir(parents=True, exist_ok=True)
-        save.write_text(rep.to_json())
-    if plots is not None:
-        for path in rep.save_plots(plots):
+                  quiet=quiet or json_out or markdown, save=save, plots=plots, force=force, **extra)
+    for path in [save, plots]:
+        if path is not None:
             err.print(f"wrote {path}")
     if json_out:
         typer.echo(rep.to_json(), nl=False)

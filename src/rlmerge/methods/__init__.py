@@ -9,14 +9,14 @@ returning the merged float32 weights [n]. No IO, no global state, no mutation of
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .._torch import torch
-from ..errors import ConfigError, RLMergeError, raise_all
+from ..errors import ConfigError, RLMergeError
+from ..params import check_range as check_range  # re-exported: every method module checks its ranges
+from ..params import parse_params
 from ..stats import Statistics, TensorStats
 
 Scope = Literal["elementwise", "global", "tensor-local"]
@@ -55,86 +55,31 @@ class MethodSpec:
     row_blocks: Callable[[Any], bool] = lambda p: False  # blocks hold whole rows (shape[1:]) of each tensor
     # Per-agent side inputs (folders shaped like the agents, e.g. Fisher diagonals), read blockwise as ``extra``.
     extra_inputs: Callable[[Any], tuple[str, ...] | None] = lambda p: None
+    # What the parameters ask of the number of agents N beyond per-agent lengths (``validate``); raises ConfigError.
+    check: Callable[[Any, int], None] = lambda p, n: None
 
     def parse(self, values: Mapping[str, Any] | None) -> Any:
         """Build the parameter dataclass from loose values (CLI, YAML); all problems at once."""
         return parse_params(self.params, values or {}, where=f"method {self.name!r}")
 
 
-def parse_params(cls: type, values: Mapping[str, Any], *, where: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    problems: list[RLMergeError] = []
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        k = str(key).replace("-", "_")  # YAML keys may be numbers
-        if k not in fields:
-            problems.append(ConfigError(f"unknown parameter {key!r} for {where}",
-                                        hint=f"known parameters: {', '.join(fields) or 'none'}"))
-            continue
-        try:
-            kwargs[k] = _coerce(value, hints[k])
-        except (TypeError, ValueError, OverflowError) as e:
-            problems.append(ConfigError(f"parameter {key!r} of {where}: {e}"))
-    raise_all(problems)
+def validate(spec: MethodSpec, params: Any, n: int) -> list[RLMergeError]:
+    """Everything about ``params`` that depends on the number of agents ``n``, before any file is read.
+
+    Every tuple-valued parameter holds one value per agent (weights, per-agent densities, Fisher folders), so
+    its length must be ``n``; then the method's own ``check``. ``merge`` and ``plan`` both call this.
+    """
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if isinstance(value, tuple) and len(value) != n:
+            what = "weight(s)" if f.name == "weights" else f"value(s) of {f.name}"
+            return [ConfigError(f"method {spec.name!r}: {len(value)} {what} given for {n} agent(s)",
+                                hint="give one per agent, in the order the agents are listed")]
     try:
-        params = cls(**kwargs)
-    except RLMergeError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: {e}") from e
-    return params
-
-
-def _coerce(value: Any, hint: Any) -> Any:
-    """Turn CLI/YAML text into the annotated type (float, int, bool, Literal, tuple, Optional)."""
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a)
-            except (TypeError, ValueError) as e:
-                errors.append(str(e))
-        raise ValueError("; ".join(errors))
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{value!r} is not one of {', '.join(map(repr, args))}")
-        return value
-    if origin is tuple:
-        items = value.split(",") if isinstance(value, str) else list(value)
-        return tuple(_coerce(v, args[0]) for v in items)
-    if hint is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"{value!r} is not a boolean")
-    if hint is int:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError(f"{value!r} is not an integer")
-        return int(value)
-    if hint is float:
-        if isinstance(value, bool):
-            raise ValueError(f"{value!r} is not a number")
-        return float(value)
-    if hint is str:
-        return str(value)
-    return value
-
-
-def check_range(where: str, name: str, value: float, lo: float, hi: float, *,
-                lo_open: bool = False, hi_open: bool = False) -> None:
-    """Raise ConfigError unless lo ≤ value ≤ hi (open ends as requested)."""
-    bad = value != value or value < lo or value > hi or (lo_open and value == lo) or (hi_open and value == hi)
-    if bad:
-        lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise ConfigError(f"{where}: {name} = {value} is out of range {lb}{lo}, {hi}{rb}")
+        spec.check(params, n)
+    except RLMergeError as e:
+        return [e]
+    return []
 
 
 def _registry() -> dict[str, MethodSpec]:

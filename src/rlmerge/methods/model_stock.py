@@ -70,7 +70,6 @@ def _merge(base: torch.Tensor, deltas: torch.Tensor, params: ModelStockParams, c
 
 
 def _check_agents(params: ModelStockParams, n: int) -> None:
-    """Called by the engine before any data is read (the observer hook); Model Stock observes nothing."""
     if n < 2:
         raise ConfigError(f"model_stock needs at least two agents (got {n})", hint="add agents, or use another method")
 
@@ -82,5 +81,5 @@ def _row(shape: tuple[int, ...]) -> int:
 METHODS = [
     MethodSpec("model_stock", "Model Stock: interpolate base → agent average by the agents' mean cosine",
                "arXiv:2403.19522", "tensor-local", ModelStockParams, _merge,
-               needs_stats=lambda p: not p.filter_wise, row_blocks=lambda p: p.filter_wise, observer=_check_agents),
+               needs_stats=lambda p: not p.filter_wise, row_blocks=lambda p: p.filter_wise, check=_check_agents),
 ]

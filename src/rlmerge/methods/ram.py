@@ -160,11 +160,16 @@ def _merge_ram_plus(base: torch.Tensor, deltas: torch.Tensor, params: RamPlusPar
     return ram_kernel(base, deltas, params.epsilon, torch.tensor(lam, dtype=torch.float32))
 
 
+def _check_unique(params: UniqueParams, n: int) -> None:
+    if params.agent >= n:
+        raise ConfigError(f"unique: agent = {params.agent} but only {n} agent(s) were given",
+                          hint=f"agents are numbered from 0: choose 0 … {n - 1}")
+
+
 def _merge_unique(base: torch.Tensor, deltas: torch.Tensor, params: UniqueParams,
                   ctx: BlockContext) -> torch.Tensor:
     n = deltas.shape[0]
-    if params.agent >= n:
-        raise ConfigError(f"unique: agent = {params.agent} but only {n} agent(s) were given")
+    _check_unique(params, n)
     mask = deltas.abs() > params.epsilon
     only = mask[params.agent] & (mask.sum(0) == 1)
     scale = np.float32(1.0 / n if params.divide_by_n else 1.0)
@@ -184,7 +189,7 @@ METHODS = [
                PAPER, "global", RamPlusParams, _merge_ram_plus,
                needs_stats=lambda p: True, prepare=prepare_ram_plus),
     MethodSpec("unique", "base + one agent's unique elements only, at full size or divided by N (paper Fig. 3)",
-               PAPER, "elementwise", UniqueParams, _merge_unique),
+               PAPER, "elementwise", UniqueParams, _merge_unique, check=_check_unique),
 ]
 
 __all__ = ["METHODS", "PRESETS", "RamParams", "RamPlusParams", "UniqueParams", "ram_kernel",

@@ -55,12 +55,16 @@ def coefficients(params: SlerpParams, s00: float, s11: float, s01: float) -> tup
     return math.sin((1 - t) * theta) / math.sin(theta), math.sin(t * theta) / math.sin(theta)
 
 
+def _check_agents(params: SlerpParams, n: int) -> None:
+    if n not in (1, 2):
+        raise ConfigError(f"slerp merges exactly two models: the base and one agent, or two agents (got {n})")
+    if n == 1 and params.space == "task_vectors":
+        raise ConfigError("slerp: space = task_vectors needs two agents", hint="use space = weights")
+
+
 class SlerpObserver:
     def __init__(self, params: SlerpParams, n: int) -> None:
-        if n not in (1, 2):
-            raise ConfigError(f"slerp merges exactly two models: the base and one agent, or two agents (got {n})")
-        if n == 1 and params.space == "task_vectors":
-            raise ConfigError("slerp: space = task_vectors needs two agents", hint="use space = weights")
+        _check_agents(params, n)
         self.params = params
         self.coef: dict[str, tuple[float, float]] = {}
         self._acc = [0.0, 0.0, 0.0]
@@ -96,5 +100,6 @@ def _observer(params: Any, n: int) -> SlerpObserver:
 
 METHODS = [
     MethodSpec("slerp", "spherical interpolation between two models, per tensor", "Shoemake 1985 (mergekit slerp)",
-               "tensor-local", SlerpParams, _merge, prepare=_prepare, observer=_observer, epsilon=lambda p: 1e-5),
+               "tensor-local", SlerpParams, _merge, prepare=_prepare, observer=_observer, epsilon=lambda p: 1e-5,
+               check=_check_agents),
 ]

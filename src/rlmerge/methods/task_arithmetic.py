@@ -6,6 +6,7 @@ Both are elementwise and need no statistics pass. Parameter names follow mergeki
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,9 +96,17 @@ def _merge_linear(base: torch.Tensor, deltas: torch.Tensor, params: LinearParams
     return total / torch.tensor(_divisor("linear", w_np), device=deltas.device) if params.normalize else total
 
 
+def _check(where: str) -> Callable[[TaskArithmeticParams | LinearParams, int], None]:
+    def check(params: TaskArithmeticParams | LinearParams, n: int) -> None:
+        if params.normalize:
+            _divisor(where, agent_weights(where, params.weights, n))
+
+    return check
+
+
 METHODS = [
     MethodSpec("task_arithmetic", "base + scaling × the (weighted) sum of task vectors", "arXiv:2212.04089",
-               "elementwise", TaskArithmeticParams, _merge_ta),
+               "elementwise", TaskArithmeticParams, _merge_ta, check=_check("task_arithmetic")),
     MethodSpec("linear", "weighted average of the agents' weights", "arXiv:2203.05482", "elementwise",
-               LinearParams, _merge_linear),
+               LinearParams, _merge_linear, check=_check("linear")),
 ]

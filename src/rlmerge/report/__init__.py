@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,11 @@ class Report:
     def to_markdown(self, *, level: int = 1) -> str:
         return to_markdown(self.doc, level=level)
 
-    def save_plots(self, folder: str | Path) -> list[Path]:
+    def save_plots(self, folder: str | Path, *, force: bool = False, inputs: Sequence[Any] = ()) -> list[Path]:
+        """Write the figures as PNGs into a new folder (``force``: replace one rlmerge wrote)."""
         from .plots import save_plots
 
-        return save_plots(self.doc, folder)
+        return save_plots(self.doc, folder, force=force, inputs=inputs)
 
 
 __all__ = ["REPORT_FILE", "SCHEMA", "VERSION", "Report", "build_report", "dtype_facts", "to_json", "to_markdown"]

@@ -115,8 +115,7 @@ def build_report(stats: Statistics, facts: DtypeFacts | None, *, base: str,
         "modules": _groups(stats, module_type, "module"),
         "precision": _precision(stats.magnitudes, facts, stats.epsilon),
     }
-    given = list(warnings)
-    doc["warnings"] = [*given, *_dtype_warnings(doc["per_agent"], facts, given)]
+    doc["warnings"] = list(warnings)  # the plan's (dtypes, tying, dropped tensors) and the method's
     doc["recommendation"] = recommend(doc)
     return doc
 
@@ -226,18 +225,3 @@ def _precision(mags: Magnitudes | None, facts: DtypeFacts | None, epsilon: float
 def _spacing(x: float, bits: int, min_exp: int) -> float:
     """Distance from x > 0 to the next representable value above it."""
     return 2.0 ** (max(math.floor(math.log2(x)), min_exp) - bits)
-
-
-def _dtype_warnings(rows: list[dict[str, Any]], facts: DtypeFacts | None, given: list[str]) -> list[str]:
-    """One warning per agent stored (partly) in another dtype, unless the plan already warned about it."""
-    if facts is None:
-        return []
-    base = "/".join(TORCH_NAMES.get(k, k) for k in sorted(facts.base))
-    out = []
-    for row, dtypes, n in zip(rows, facts.agents, facts.differs):
-        if n and not any(w.startswith(f"agent {row['agent']} stores") for w in given):
-            stored = "/".join(TORCH_NAMES.get(k, k) for k in sorted(dtypes) if k not in facts.base)
-            out.append(f"agent {row['agent']} stores {n:,} elements in {stored or 'another dtype'} against a {base} "
-                       f"base: rounding differences count as changes, so its density is inflated; re-save it in "
-                       f"the base's dtype before judging")
-    return out

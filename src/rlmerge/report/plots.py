@@ -5,10 +5,14 @@ Figures are built with ``matplotlib.figure.Figure`` directly (no pyplot): no glo
 
 from __future__ import annotations
 
+import io
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import __version__
 from ..errors import ConfigError
+from ..partial import owned_folder
 from .tables import display_names
 
 if TYPE_CHECKING:
@@ -141,13 +145,16 @@ def figures(doc: dict[str, Any]) -> dict[str, Figure]:
     return out
 
 
-def save_plots(doc: dict[str, Any], folder: str | Path) -> list[Path]:
-    """Write one PNG per figure into ``folder`` (created); returns the paths."""
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for stem, fig in figures(doc).items():
-        path = out / f"{stem}.png"
-        fig.savefig(path, dpi=DPI)
-        paths.append(path)
-    return paths
+def save_plots(doc: dict[str, Any], folder: str | Path, *, force: bool = False,
+               inputs: Sequence[Any] = ()) -> list[Path]:
+    """Write one PNG per figure into the new folder ``folder`` (written whole, with its list of files in
+    ``rlmerge.json``; ``force`` replaces a plots folder rlmerge wrote); returns the paths."""
+    names = []
+    with owned_folder(folder, {"rlmerge_version": __version__, "kind": "plots"}, force=force,
+                      inputs=inputs) as partial:
+        for stem, fig in figures(doc).items():
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=DPI)
+            partial.write_bytes(f"{stem}.png", buf.getvalue())
+            names.append(f"{stem}.png")
+    return [partial.output / n for n in names]

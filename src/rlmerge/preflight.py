@@ -1,0 +1,187 @@
+"""Everything checked before a merge reads a weight: one function, called by ``merge`` and by ``rlmerge plan``.
+
+Configuration (method, parameters against the number of agents, dtype, shard and block sizes, device, seed),
+the output location, every input checkpoint, the base/agent match, side inputs and memory. Problems are
+collected, not raised, so that ``plan`` can report them all at once; ``merge`` raises them together. What only
+the data can tell (NaN/Inf in a task vector, a copied tensor an agent changed, a value that overflows the output
+dtype) is found while merging, before the output is published.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import budget
+from .blocks import device_type
+from .budget import MemoryEstimate, check_memory, estimate_memory
+from .checkpoint import Checkpoint, open_one
+from .dtypes import BF16, F16, F32, DType, by_name
+from .errors import ConfigError, InputError, ProblemsError, RLMergeError, raise_all
+from .fastpath import compute_threads
+from .methods import MethodSpec, get_method, validate
+from .partial import output_problems
+from .plan import Plan, build_plan
+from .writer import parse_size
+
+OUT_DTYPES = (BF16, F16, F32)  # what --dtype may ask for
+
+
+def parse_dtype(name: str | DType | Any | None) -> DType | None:
+    """'bfloat16', 'bf16', 'fp16', 'float32', … (or a DType, or a torch dtype) → the output DType."""
+    if name is None or isinstance(name, DType):
+        return name
+    dtype = by_name(str(name))
+    if dtype not in OUT_DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}", hint="use bfloat16, float16 or float32")
+    return dtype
+
+
+def parse_block_size(value: Any) -> int:
+    """Elements per block: a positive integer (a recipe may write it as a string of digits)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"block size {value!r} must be a positive whole number of elements",
+                          hint="e.g. --block-size 4194304 (the default); smaller blocks use less memory")
+    return value
+
+
+def parse_seed(value: Any) -> int:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if type(value) is not int:
+        raise ConfigError(f"seed {value!r} must be a whole number")
+    return value
+
+
+def flat(e: RLMergeError) -> list[RLMergeError]:
+    return list(e.problems) if isinstance(e, ProblemsError) else [e]
+
+
+@dataclass
+class Preflight:
+    """The checked request. ``problems`` empty means the merge can start; ``close()`` the checkpoints after."""
+
+    spec: MethodSpec | None = None
+    params: Any = None
+    out_dtype: DType | None = None
+    shard_bytes: int = 0
+    block_size: int = 0
+    base: Checkpoint | None = None
+    agents: list[Checkpoint | None] = field(default_factory=list)
+    extras: list[Checkpoint | None] = field(default_factory=list)
+    plan: Plan | None = None
+    memory: MemoryEstimate | None = None
+    available: int | None = None
+    problems: list[RLMergeError] = field(default_factory=list)
+
+    @property
+    def models(self) -> list[Checkpoint]:
+        return [m for m in (self.base, *self.agents, *self.extras) if m is not None]
+
+    def close(self) -> None:
+        for m in self.models:
+            m.close()
+
+
+def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]],
+              output: str | os.PathLike[str] | None, *, method: str = "ram+",
+              params: Mapping[str, Any] | None = None, dtype: Any = None, shard_size: str | int = 5 * 10**9,
+              block_size: Any = 1 << 22, device: str = "cpu", force: bool = False, resume: bool = False,
+              allow_missing: bool = False, count_tied_twice: bool = False, seed: Any = 0,
+              available: int | None = None) -> Preflight:
+    """Check a merge from headers only; every problem is collected in ``Preflight.problems``."""
+    pf = Preflight()
+    problems = pf.problems
+    for fn in (lambda: _method(pf, method, params), lambda: setattr(pf, "out_dtype", parse_dtype(dtype)),
+               lambda: setattr(pf, "shard_bytes", parse_size(shard_size)),
+               lambda: setattr(pf, "block_size", parse_block_size(block_size)),
+               lambda: device_type(device), lambda: parse_seed(seed), compute_threads):
+        try:
+            fn()
+        except RLMergeError as e:
+            problems += flat(e)
+    extra_specs = list(pf.spec.extra_inputs(pf.params) or ()) if pf.params is not None else []
+    if len(extra_specs) != len(agents):  # one per agent: ``validate`` below reports the mismatch
+        extra_specs = []
+    opened = _open([base, *agents, *extra_specs], problems)
+    pf.base, pf.agents, pf.extras = opened[0], opened[1:1 + len(agents)], opened[1 + len(agents):]
+    problems += _same_folder_twice(pf.agents)
+    if output is not None:
+        problems += output_problems(output, pf.models, force=force, resume=resume)
+    if pf.spec is not None and pf.params is not None:
+        problems += validate(pf.spec, pf.params, len(agents))
+    if pf.base is None:
+        return pf
+    if output is not None and not (pf.base.path / "config.json").is_file():
+        problems.append(InputError("the base has no config.json: the merged folder would not load in transformers",
+                                   file=str(pf.base.path), hint="copy the base model's config.json into that folder"))
+    here = [a for a in pf.agents if a is not None]
+    pf.memory = estimate_memory(pf.base, [*here, *(x for x in pf.extras if x)], pf.block_size or 1 << 22,
+                                n_agents=len(agents) + len(extra_specs))
+    pf.available = budget.available_memory() if available is None else available
+    try:
+        check_memory(pf.memory, len(agents), pf.available)
+    except RLMergeError as e:
+        problems.append(e)
+    # Agents that could not be opened are left out, so the others are still matched against the base.
+    try:
+        pf.plan = build_plan(pf.base, here, dtype=pf.out_dtype, allow_missing=allow_missing,
+                             count_tied_twice=count_tied_twice)
+        if all(pf.extras):
+            check_side_inputs(pf.plan, pf.extras)  # type: ignore[arg-type]
+    except RLMergeError as e:
+        problems += [x for x in flat(e) if here or "no agents given" not in x.message]
+    return pf
+
+
+def _method(pf: Preflight, method: str, params: Mapping[str, Any] | None) -> None:
+    pf.spec = get_method(method)
+    pf.params = pf.spec.parse(params)
+
+
+def _open(specs: Sequence[str | os.PathLike[str]], problems: list[RLMergeError]) -> list[Checkpoint | None]:
+    out: list[Checkpoint | None] = []
+    for s in specs:
+        try:
+            out.append(open_one(s))
+        except RLMergeError as e:
+            problems += flat(e)
+            out.append(None)
+    return out
+
+
+def _same_folder_twice(agents: Sequence[Checkpoint | None]) -> list[RLMergeError]:
+    """The same agent listed twice (any spelling of its path) would count every change twice: refused."""
+    seen: dict[Path, str] = {}
+    problems: list[RLMergeError] = []
+    for a in agents:
+        if a is None:
+            continue
+        key = a.path.resolve()
+        if key in seen:
+            problems.append(ConfigError(f"the agent {a.label} is listed twice (also as {seen[key]})",
+                                        file=str(key), hint="list each agent once; to weight an agent more, give "
+                                                            "weights (e.g. --param weights=2,1,1)"))
+        seen.setdefault(key, a.label)
+    return problems
+
+
+def check_side_inputs(plan: Plan, extras: Sequence[Checkpoint]) -> None:
+    """Every merged tensor must be in every side input (e.g. a Fisher file), with the base's shape."""
+    problems: list[RLMergeError] = []
+    for ckpt in extras:
+        for job in plan.merge_jobs:
+            info = ckpt.tensors.get(job.name)
+            if info is None:
+                problems.append(InputError("tensor missing from the side input", file=str(ckpt.path),
+                                           tensor=job.name, hint="it must hold every float tensor of the base"))
+            elif info.shape != job.info.shape or not info.is_float:
+                problems.append(InputError(f"side input stores {list(info.shape)} where the base has "
+                                           f"{list(job.info.shape)}", file=str(info.file), tensor=job.name,
+                                           hint="it was computed for another model; recompute it"))
+    raise_all(problems)
