@@ -311,3 +311,18 @@ def test_inspect_save(world: World, case: str, setup, plain: str, forced: str, f
     rel = str(out.relative_to(world.root))
     assert {k: v for k, v in after.items() if k != rel} == {k: v for k, v in before.items() if k != rel}
     assert json.loads(out.read_text())["schema"]
+
+
+def test_demo_replaces_only_its_own_example_and_merge(tmp_path: Path, capsys) -> None:
+    """`rlmerge demo` twice works (it replaces what it wrote); into a folder holding a user's model, refused."""
+    work = tmp_path / "work"
+    assert main(["demo", "--workdir", str(work)]) == 0
+    first = tree(work)
+    assert main(["demo", "--workdir", str(work)]) == 0
+    assert {k: v[:2] for k, v in tree(work).items()} == {k: v[:2] for k, v in first.items()}  # same bytes again
+    mine = work / "inputs" / "coder" / "my-notes.txt"
+    mine.write_text("the user's\n")
+    before = tree(tmp_path)
+    assert main(["demo", "--workdir", str(work)]) == 4
+    assert "my-notes.txt" in capsys.readouterr().err
+    assert tree(tmp_path) == before

@@ -157,6 +157,13 @@ def make_example(root: Path, *, shape: Shape = Shape(), densities: tuple[float, 
     """Write a base and one agent per density under ``root``; returns (base, agents). ``owned``: see
     ``write_checkpoint``."""
     cfg = config(shape, dtype)
+    if owned:  # every folder is checked before any is written: all replaced, or none
+        from .errors import raise_all
+        from .partial import output_problems
+
+        folders = [root / "base", *(root / (names[i] if i < len(names) else f"agent{i}")
+                                    for i in range(len(densities)))]
+        raise_all([p for f in folders for p in output_problems(f, [], force=True)])
     base32 = random_base(shape, seed=seed)
     base = write_checkpoint(root / "base", {k: v.to(dtype) for k, v in base32.items()}, cfg, owned=owned)
     agents = []

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from ..merge import merge
+from ..partial import check_output
 from .console import out
 from .merge import print_result
 
@@ -20,6 +21,7 @@ def demo_command(
 
     out.print(f"building a tiny Qwen2 base and 3 agents with densities "
               f"{', '.join(f'{d:.1%}' for d in PAPER_DENSITIES)} in {workdir}/ …")
+    check_output(workdir / "merged-ram+", [], force=True)  # before the example is (re)written
     base, agents = make_example(workdir / "inputs", owned=True)  # replaces only an earlier demo's
     res = merge(base, agents, workdir / "merged-ram+", method="ram+", params={"preset": "paper"}, force=True,
                 quiet=False)
