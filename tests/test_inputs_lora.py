@@ -204,3 +204,27 @@ def test_adapter_as_base_is_refused(lora, tmp_path: Path) -> None:
     base, adapters, _ = lora
     with pytest.raises(InputError, match="base is a LoRA adapter"):
         rlmerge.merge(adapters[0], [base], tmp_path / "out")
+
+
+def test_cli_plan_and_inspect_accept_adapters(lora, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rlmerge.cli import main
+
+    base, adapters, _ = lora
+    assert main(["plan", str(base), *map(str, adapters), "-o", str(tmp_path / "out")]) == 0
+    assert "LoRA adapter" in capsys.readouterr().err.replace("\n", "")
+    assert main(["inspect", str(base), *map(str, adapters), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["agent"] for r in doc["per_agent"]] == [str(a) for a in adapters]
+    assert all(r["density"] > 0.1 for r in doc["per_agent"])  # B·A is dense in every adapted matrix
+
+
+def test_resume_fingerprint_covers_the_adapter_config(lora, tmp_path: Path) -> None:
+    from rlmerge.partial import fingerprint
+
+    base, adapters, _ = lora
+    ad = _edit_config(adapters[0], tmp_path / "ad")
+    before = fingerprint(open_all([base, ad]), {})
+    cfg = (ad / "adapter_config.json").read_text()
+    (ad / "adapter_config.json").write_text(cfg.replace('"lora_alpha": 8', '"lora_alpha": 9'))  # same size
+    assert '"lora_alpha": 9' in (ad / "adapter_config.json").read_text()
+    assert fingerprint(open_all([base, ad]), {}) != before

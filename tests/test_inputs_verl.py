@@ -82,6 +82,16 @@ def test_shards_read_as_model_merger_writes_them(verl_run: dict[str, Path]) -> N
     assert len(open_all([verl_run["b"]])[0].files) == 2  # HSDP: only the first replica's 2 ranks are read
 
 
+def test_resume_fingerprint_covers_every_shard(verl_run: dict[str, Path], tmp_path: Path) -> None:
+    from rlmerge.partial import fingerprint
+
+    actor = tmp_path / "actor"
+    shutil.copytree(verl_run["a"], actor)
+    before = fingerprint(open_all([actor]), {})
+    os.utime(actor / "model_world_size_2_rank_1.pt", ns=(1, 1))  # .pt files: size and mtime, as .bin
+    assert fingerprint(open_all([actor]), {}) != before
+
+
 @pytest.mark.parametrize("method", ["ram+", "ties"])
 def test_merge_from_shards_equals_merge_of_model_merger_output(verl_run: dict[str, Path], tmp_path: Path,
                                                                method: str) -> None:
