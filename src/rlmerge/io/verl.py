@@ -124,7 +124,8 @@ class VerlCheckpoint(Checkpoint):
                 state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # pickle errors come in many types; all mean "refused"
             raise InputError(f"cannot load with weights_only=True ({type(e).__name__}: {e})", file=str(f),
-                             hint="the file is corrupt or not a verl model shard; only tensors are loaded") from e
+                             hint="only DTensors and tensors are loaded (an FSDP1 ShardedTensor save is not): convert "
+                                  f"it with {CONVERT.format(actor=self.path)} and pass MERGED") from e
         if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
             raise InputError("the shard does not hold a state dict", file=str(f))
         for k, v in state.items():
