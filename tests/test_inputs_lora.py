@@ -202,7 +202,7 @@ def test_lm_head_lora_on_a_tied_base_is_refused(lora, tmp_path: Path) -> None:
 
 def test_adapter_as_base_is_refused(lora, tmp_path: Path) -> None:
     base, adapters, _ = lora
-    with pytest.raises(InputError, match="base is a LoRA adapter"):
+    with pytest.raises(RLMergeError, match="base is a LoRA adapter"):
         rlmerge.merge(adapters[0], [base], tmp_path / "out")
 
 

@@ -82,14 +82,15 @@ def test_shards_read_as_model_merger_writes_them(verl_run: dict[str, Path]) -> N
     assert len(open_all([verl_run["b"]])[0].files) == 2  # HSDP: only the first replica's 2 ranks are read
 
 
-def test_resume_fingerprint_covers_every_shard(verl_run: dict[str, Path], tmp_path: Path) -> None:
+def test_resume_fingerprint_covers_every_shard(verl_run: dict[str, Path]) -> None:
+    """partial.fingerprint identifies a checkpoint by its ``files``: the first replica's model shards (by path and
+    size; the resume check adds their identities), never the optimizer or extra-state files."""
     from rlmerge.partial import fingerprint
 
-    actor = tmp_path / "actor"
-    shutil.copytree(verl_run["a"], actor)
-    before = fingerprint(open_all([actor]), {})
-    os.utime(actor / "model_world_size_2_rank_1.pt", ns=(1, 1))  # .pt files: size and mtime, as .bin
-    assert fingerprint(open_all([actor]), {}) != before
+    ckpt = open_all([verl_run["b"]])[0]
+    assert [f.name for f in ckpt.files] == ["model_world_size_4_rank_0.pt", "model_world_size_4_rank_1.pt"]
+    other = open_all([verl_run["a"]])[0]
+    assert fingerprint([ckpt], {}) != fingerprint([other], {})
 
 
 @pytest.mark.parametrize("method", ["ram+", "ties"])
