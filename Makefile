@@ -5,14 +5,15 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup mergekit demo test lint clean
+.PHONY: setup mergekit verl demo test lint clean
 MERGEKIT_VENV ?= .venv-mergekit
+VERL_VENV ?= .venv-verl
 
 # torch goes in first, alone and pinned: the CPU build. An unpinned torch pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval,lora]'
 	touch $@
 
 setup: $(VENV)/.installed
@@ -26,14 +27,24 @@ $(MERGEKIT_VENV)/.installed: constraints-mergekit.txt
 
 mergekit: $(MERGEKIT_VENV)/.installed
 
+# verl 0.9.1 in its own venv (it pins transformers<5.11): tests/test_inputs_verl.py makes real FSDP checkpoints with
+# verl's checkpoint manager and converts them with verl's model_merger. ~1.9 GB, ~2 min from the local index.
+$(VERL_VENV)/.installed: constraints-verl.txt
+	$(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install -q torch==2.13.0
+	$(VERL_VENV)/bin/pip install -q -c constraints-verl.txt verl==0.9.1
+	touch $@
+
+verl: $(VERL_VENV)/.installed
+
 demo: setup
 	$(BIN)/rlmerge demo --workdir demo-output
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
 
-test: setup mergekit lint
+test: setup mergekit verl lint
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) $(MERGEKIT_VENV) demo-output
+	rm -rf $(VENV) $(MERGEKIT_VENV) $(VERL_VENV) demo-output

@@ -129,7 +129,10 @@ class BlockReader:
                     ckpt.read_f32(job.name, start, stop, self._extra[t])
             deltas = self._agents[:, :n]
             for t, (agent, present) in enumerate(zip(plan.agents, job.present)):
-                if present:
+                own_delta = getattr(agent, "read_delta_f32", None)  # an agent that supplies τ itself (LoRA)
+                if present and own_delta is not None:
+                    own_delta(job.name, start, stop, base, self._agents[t])
+                elif present:
                     agent.read_f32(job.name, start, stop, self._agents[t])
                     deltas[t].sub_(base)
                 else:

@@ -228,6 +228,8 @@ class Checkpoint:
         self.tensors: dict[str, TensorInfo] = {}
         self.header_bytes: dict[Path, bytes] = {}
         self.format = ""
+        self.side_dir = path  # where config.json and the tokenizer files live (verl: actor/huggingface)
+        self.notes: list[str] = []  # what the reader did that a user should know (the plan reports them)
         self._bin: dict[Path, dict[str, torch.Tensor]] = {}
         self._scratch = bytearray()
         self.roots = _allowed_roots(path)
@@ -455,7 +457,15 @@ def resolve(spec: str | os.PathLike[str]) -> tuple[Path, str | None]:
 def open_one(spec: str | os.PathLike[str]) -> Checkpoint:
     """Resolve (a folder or a hub id) and open one model, headers only."""
     path, rev = resolve(spec)
-    return Checkpoint(path, label=str(spec), revision=rev)
+    return open_checkpoint(path, label=str(spec), revision=rev)
+
+
+def open_checkpoint(path: Path, *, label: str | None = None, revision: str | None = None) -> Checkpoint:
+    """The reader for whatever ``path`` holds: a Hugging Face folder, verl FSDP shards, a PEFT LoRA adapter
+    (io/layouts.py says how each is recognised, and refuses the layouts rlmerge cannot read)."""
+    from .io.layouts import open_layout  # the io readers subclass Checkpoint: import them late
+
+    return open_layout(path, label=label, revision=revision)
 
 
 def open_all(specs: list[str | os.PathLike[str]]) -> list[Checkpoint]:

@@ -295,7 +295,7 @@ def check_copies(plan: Plan) -> None:
 def _side_files(base: Checkpoint, writer: CheckpointWriter, plan: Plan) -> None:
     """config, generation config, tokenizer and chat-template files come from the base."""
     for name in SIDE_FILES:
-        src = base.path / name
+        src = base.side_dir / name
         if not src.is_file():
             continue
         if name == "config.json":

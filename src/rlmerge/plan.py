@@ -8,6 +8,7 @@ from typing import Literal
 from .checkpoint import Checkpoint, TensorInfo
 from .dtypes import DType
 from .errors import InputError, RLMergeError, raise_all
+from .io.lora import bind_to_base
 
 EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
 LM_HEAD = "lm_head.weight"
@@ -145,8 +146,9 @@ def _fp8_problems(models: list[Checkpoint]) -> list[RLMergeError]:
 def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | None = None,
                allow_missing: bool = False, count_tied_twice: bool = False) -> Plan:
     """Check every agent against the base and lay out the jobs; raise all problems together."""
-    problems: list[RLMergeError] = []
+    problems: list[RLMergeError] = bind_to_base(base, agents)  # LoRA agents take the base's tensors
     plan = Plan(base, agents, jobs=[], tied=tied_tensors(base))
+    plan.warnings += [note for m in (base, *agents) for note in m.notes]
     if not agents:
         problems.append(InputError("no agents given", hint="pass at least one agent after the base"))
     problems += _fp8_problems([base, *agents])

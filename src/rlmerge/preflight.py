@@ -117,9 +117,10 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
         problems += validate(pf.spec, pf.params, len(agents))
     if pf.base is None:
         return pf
-    if output is not None and not (pf.base.path / "config.json").is_file():
+    if output is not None and not (pf.base.side_dir / "config.json").is_file():  # verl: actor/huggingface/
         problems.append(InputError("the base has no config.json: the merged folder would not load in transformers",
-                                   file=str(pf.base.path), hint="copy the base model's config.json into that folder"))
+                                   file=str(pf.base.side_dir),
+                                   hint="copy the base model's config.json into that folder"))
     here = [a for a in pf.agents if a is not None]
     pf.memory = estimate_memory(pf.base, [*here, *(x for x in pf.extras if x)], pf.block_size or 1 << 22,
                                 n_agents=len(agents) + len(extra_specs))

@@ -1,0 +1,230 @@
+"""PEFT LoRA adapters as agents, against PEFT itself: its get_delta_weight() and its merge_and_unload().
+
+The adapters are made by PEFT with ``init_lora_weights=False`` (A and B random, so B·A ≠ 0), then B is scaled
+down so that τ has the size of a few RL steps. The full-model oracle is PEFT's merge_and_unload() on the base
+loaded in float32 and saved in float32: θ_t = fl32(W + τ_t). Merging those folders computes τ_t = θ_t − W in
+float32, which differs from the adapter's exact τ_t by the rounding of W + τ_t (half an fp32 ulp of |W| + |τ|)
+plus the matmul's summation order; merging from the adapters never rounds τ. Hence the tolerance below: a few
+fp32 ulps of the largest |θ| in the tensor, per agent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlmerge
+from conftest import TINY, load_output
+from rlmerge.checkpoint import open_all
+from rlmerge.dryrun import dry_run
+from rlmerge.errors import InputError, RLMergeError
+from rlmerge.fastpath import eligible
+from rlmerge.plan import build_plan
+from rlmerge.synthetic import make_example
+
+peft = pytest.importorskip("peft", reason="peft is in the lora extra (make setup installs it)")
+transformers = pytest.importorskip("transformers")
+
+ULPS = 8  # fp32 ulps of max|θ| per tensor: rounding W + τ once, the subtraction, summation order, N agents
+
+
+def _adapter(base: Path, out: Path, seed: int, **cfg: object) -> Path:
+    """A real PEFT adapter over ``base`` with non-zero B (init_lora_weights=False), B scaled to RL-step size."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    pm = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **cfg))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                p.mul_(1e-2)
+            elif "modules_to_save" in name or ("bias" in name and p.requires_grad):
+                p.add_(1e-3 * torch.randn_like(p))
+    pm.save_pretrained(out)
+    return out
+
+
+def _full(base: Path, adapter: Path, out: Path) -> Path:
+    """PEFT's own merge: merge_and_unload() on the float32 base, saved as a full float32 model."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    merged.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path], list[Path]]:
+    root = tmp_path_factory.mktemp("lora")
+    base, _ = make_example(root / "in", shape=TINY, densities=())
+    adapters = [
+        _adapter(base, root / "a0", 0, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "embed_tokens"],
+                 modules_to_save=["model.norm"], rank_pattern={"layers.1.self_attn.q_proj": 2},
+                 alpha_pattern={"v_proj": 3}),
+        _adapter(base, root / "a1", 1, r=8, lora_alpha=16, use_rslora=True, bias="lora_only",
+                 target_modules=["q_proj", "k_proj", "gate_proj", "down_proj"]),
+    ]
+    fulls = [_full(base, a, root / f"full{t}") for t, a in enumerate(adapters)]
+    return base, adapters, fulls
+
+
+def test_delta_equals_peft_get_delta_weight_at_any_block_size(lora) -> None:
+    base, adapters, _ = lora
+    ckpts = open_all([base, *adapters])
+    build_plan(ckpts[0], ckpts[1:])
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(model, adapters[0])
+    checked = 0
+    for mod_name, module in pm.base_model.model.named_modules():
+        if not hasattr(module, "get_delta_weight") or "default" not in getattr(module, "scaling", {}):
+            continue
+        ref = module.get_delta_weight("default").reshape(-1)
+        name = mod_name + ".weight"
+        info = ckpts[0].tensors[name]
+        b = ckpts[0].read_f32(name, 0, info.numel, torch.empty(info.numel))
+        whole = ckpts[1].read_delta_f32(name, 0, info.numel, b, torch.empty(info.numel)).clone()
+        torch.testing.assert_close(whole, ref, rtol=0, atol=ULPS * 2**-23 * ref.abs().max().item())
+        pieces = torch.cat([ckpts[1].read_delta_f32(name, s, min(s + 37, info.numel), b[s:], torch.empty(37))
+                            for s in range(0, info.numel, 37)])
+        assert torch.equal(pieces, whole), name  # the block size never changes a value
+        checked += 1
+    assert checked == len(ckpts[1]._modules) == 7  # q, v, o in 2 layers + the embedding
+    assert ckpts[1]._modules["model.layers.1.self_attn.q_proj.weight"].scale == 8 / 2  # rank_pattern
+    assert ckpts[1]._modules["model.layers.0.self_attn.v_proj.weight"].scale == 3 / 4  # alpha_pattern
+    assert ckpts[2]._modules["model.layers.0.mlp.down_proj.weight"].scale == 16 / 8**0.5  # rsLoRA
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ram"])
+def test_merge_from_adapters_matches_merge_of_peft_merged_models(lora, tmp_path: Path, method: str) -> None:
+    base, adapters, fulls = lora
+    params = {"scaling": 1.0} if method == "task_arithmetic" else None
+    rlmerge.merge(base, adapters, tmp_path / "from-adapters", method=method, params=params, dtype="float32")
+    rlmerge.merge(base, fulls, tmp_path / "from-full", method=method, params=params, dtype="float32")
+    got, ref = load_output(tmp_path / "from-adapters"), load_output(tmp_path / "from-full")
+    assert got.keys() == ref.keys()
+    for name in ref:
+        tol = ULPS * 2**-23 * ref[name].abs().max().item()
+        torch.testing.assert_close(got[name], ref[name], rtol=0, atol=tol, msg=name)
+    changed = [n for n in ref if not torch.equal(ref[n], load_output(base)[n].float())]
+    assert "model.norm.weight" in changed and "model.embed_tokens.weight" in changed  # modules_to_save, embedding
+    assert "model.layers.0.self_attn.q_proj.bias" in changed  # bias="lora_only" trains the biases
+
+
+def test_block_size_and_fast_path(lora, tmp_path: Path) -> None:
+    base, adapters, _ = lora
+    rlmerge.merge(base, adapters, tmp_path / "a", method="ram+", block_size=64)
+    rlmerge.merge(base, adapters, tmp_path / "b", method="ram+", block_size=1 << 20)
+    a, b = load_output(tmp_path / "a"), load_output(tmp_path / "b")
+    assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    ckpts = open_all([base, *adapters])
+    plan = build_plan(ckpts[0], ckpts[1:])
+    assert not any(eligible(plan, j) for j in plan.jobs)  # the fused kernels read stored bytes; τ is computed
+
+
+def test_inspect_and_plan_say_lora_tau_is_dense(lora, tmp_path: Path) -> None:
+    base, adapters, _ = lora
+    rep = rlmerge.inspect(base, adapters)
+    notes = [w for w in rep.doc["warnings"] if "LoRA adapter" in w]
+    assert len(notes) == 2 and all("dense by construction" in w and "task_arithmetic" in w for w in notes)
+    dry = dry_run(base, adapters, tmp_path / "out")  # `rlmerge plan` opens the inputs the same way
+    assert dry.ok and any("LoRA adapter" in w for w in dry.warnings)
+
+
+def test_adapter_bin_as_openrlhf_zero3_saves_it(lora, tmp_path: Path) -> None:
+    """OpenRLHF under ZeRO-3 writes adapter_model.bin (torch.save of the PEFT state dict) and removes the
+    .safetensors; the same adapter read either way gives the same merge."""
+    from safetensors.torch import load_file
+
+    base, adapters, _ = lora
+    alt = tmp_path / "a0-bin"
+    alt.mkdir()
+    (alt / "adapter_config.json").write_bytes((adapters[0] / "adapter_config.json").read_bytes())
+    torch.save(load_file(adapters[0] / "adapter_model.safetensors"), alt / "adapter_model.bin")
+    rlmerge.merge(base, [alt, adapters[1]], tmp_path / "bin", method="ram")
+    rlmerge.merge(base, adapters, tmp_path / "st", method="ram")
+    x, y = load_output(tmp_path / "bin"), load_output(tmp_path / "st")
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_fan_in_fan_out_gpt2(tmp_path: Path) -> None:
+    """GPT-2's Conv1D stores W as [in, out]; PEFT sets fan_in_fan_out and τ = (B·A)ᵀ."""
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "base")
+    ad = _adapter(tmp_path / "base", tmp_path / "ad", 3, r=4, lora_alpha=4, target_modules=["c_attn"],
+                  fan_in_fan_out=True)
+    full = _full(tmp_path / "base", ad, tmp_path / "full")
+    rlmerge.merge(tmp_path / "base", [ad], tmp_path / "x", method="task_arithmetic", dtype="float32")
+    rlmerge.merge(tmp_path / "base", [full], tmp_path / "y", method="task_arithmetic", dtype="float32")
+    x, y = load_output(tmp_path / "x"), load_output(tmp_path / "y")
+    name = "transformer.h.0.attn.c_attn.weight"
+    assert not torch.equal(y[name], load_output(tmp_path / "base")[name])
+    for k in y:
+        torch.testing.assert_close(x[k], y[k], rtol=0, atol=ULPS * 2**-23 * y[k].abs().max().item())
+
+
+def _edit_config(src: Path, dst: Path, **changes: object) -> Path:
+    dst.mkdir()
+    (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"use_dora": True}, "DoRA"),
+    ({"lora_alpha": 0}, "placeholder"),
+    ({"init_lora_weights": "pissa_niter_4"}, "rewrote the base weights"),
+    ({"layer_replication": [[0, 1]]}, "layer_replication"),
+    ({"r": 5}, "rank 5"),
+    ({"peft_type": "IA3"}, "LoRA adapters only"),
+])
+def test_inexact_adapters_are_refused(lora, tmp_path: Path, change: dict, match: str) -> None:
+    base, adapters, _ = lora
+    bad = _edit_config(adapters[0], tmp_path / "bad", **change)
+    with pytest.raises(RLMergeError, match=match) as info:  # several problems come as one ProblemsError
+        rlmerge.merge(base, [bad], tmp_path / "out")
+    first = getattr(info.value, "problems", [info.value])[0]
+    assert isinstance(first, InputError) and first.hint and not (tmp_path / "out").exists()
+
+
+def test_lm_head_lora_on_a_tied_base_is_refused(lora, tmp_path: Path) -> None:
+    base, _, _ = lora
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["lm_head"], init_lora_weights=False))
+    pm.save_pretrained(tmp_path / "head")
+    with pytest.raises(InputError, match="ties to its embeddings") as info:
+        rlmerge.merge(base, [tmp_path / "head"], tmp_path / "out")
+    assert info.value.tensor == "lm_head.weight"
+
+
+def test_adapter_as_base_is_refused(lora, tmp_path: Path) -> None:
+    base, adapters, _ = lora
+    with pytest.raises(RLMergeError, match="base is a LoRA adapter"):
+        rlmerge.merge(adapters[0], [base], tmp_path / "out")
+
+
+def test_cli_plan_and_inspect_accept_adapters(lora, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rlmerge.cli import main
+
+    base, adapters, _ = lora
+    assert main(["plan", str(base), *map(str, adapters), "-o", str(tmp_path / "out")]) == 0
+    assert "LoRA adapter" in capsys.readouterr().err.replace("\n", "")
+    assert main(["inspect", str(base), *map(str, adapters), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["agent"] for r in doc["per_agent"]] == [str(a) for a in adapters]
+    assert all(r["density"] > 0.1 for r in doc["per_agent"])  # B·A is dense in every adapted matrix
+
+
+def test_resume_fingerprint_covers_the_adapter_config(lora, tmp_path: Path) -> None:
+    from rlmerge.partial import fingerprint
+
+    base, adapters, _ = lora
+    ad = _edit_config(adapters[0], tmp_path / "ad")
+    before = fingerprint(open_all([base, ad]), {})
+    cfg = (ad / "adapter_config.json").read_text()
+    (ad / "adapter_config.json").write_text(cfg.replace('"lora_alpha": 8', '"lora_alpha": 9'))  # same size
+    assert '"lora_alpha": 9' in (ad / "adapter_config.json").read_text()
+    assert fingerprint(open_all([base, ad]), {}) != before
