@@ -110,6 +110,7 @@ MISSING = "model.layers.1.mlp.down_proj.weight"  # absent from the memory-missin
 
 
 def _shapes(m: Model) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes; a copy of synthetic.tensor_shapes on purpose: the golden inputs must not move with src/."""
     h, kv = m.hidden, m.kv_heads * (m.hidden // m.heads)
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (m.vocab, h)}
     for i in range(m.layers):
