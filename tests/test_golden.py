@@ -270,7 +270,8 @@ def build_fixtures(root: Path) -> None:
             a_typed = {k: (v, m.dtype) for k, v in values.items()}
             shards = None
             if m.tie:
-                a_typed[POSITIONS] = (np.arange(64, dtype=np.int64)[::-1].reshape(1, 64).copy(), "I64")
+                # the base's buffer: an agent that changed a tensor rlmerge copies is refused (test_refusals.py)
+                a_typed[POSITIONS] = (np.arange(64, dtype=np.int64).reshape(1, 64), "I64")
                 if agent == "coder":  # sharded differently from the base, tensors in another order
                     names = sorted(a_typed, reverse=True)
                     shards = _layer_split(names, ["model.layers.0.self_attn.v_proj.weight"])
