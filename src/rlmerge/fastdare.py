@@ -23,9 +23,9 @@ import numpy as np
 from .fastpath import FastPath, OrderedWriter, eligible, enabled, next_block, statistics_pass_fast, stats_args
 from .methods import MethodSpec
 from .methods._l1 import CHUNK, l1_factors
-from .methods._ops import chunk_seed
+from .methods._ops import chunk_seed, weight_sum
 from .methods.gta import PRESETS, _row, per_agent
-from .methods.task_arithmetic import agent_weights, weight_sum
+from .methods.task_arithmetic import agent_weights
 from .plan import Job, Plan
 from .stats import Statistics, TensorStats
 

@@ -18,9 +18,10 @@ import numpy as np
 from . import kernels
 from .fastpath import FastPath, OrderedWriter, eligible, enabled, next_block, statistics_pass_fast, stats_args
 from .methods import MethodSpec
+from .methods._ops import weight_sum
 from .methods._select import BINS, ROUNDS
 from .methods.gta import GtaObserver, _ranks
-from .methods.task_arithmetic import agent_weights, weight_sum
+from .methods.task_arithmetic import agent_weights
 from .plan import Job, Plan
 from .stats import Statistics, TensorStats
 

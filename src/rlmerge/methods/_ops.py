@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
+
 from .._torch import torch
 
 RNG_CHUNK = 1 << 16  # random numbers are drawn per chunk of 65,536 flat elements, aligned at element 0
@@ -38,6 +40,12 @@ def uniform(seed: int, agent: int, tensor: str, numel: int, start: int, stop: in
         out[pos - start:end - start] = draw[pos - c0:end - c0]
         pos = end
     return out
+
+
+def weight_sum(w: np.ndarray) -> np.float32:
+    """Σ w_t accumulated in float64 and rounded once to float32: the same on every machine and both paths
+    (torch's own float32 sum adds in an order that depends on the length and the CPU's vector width)."""
+    return np.float32(np.sum(np.asarray(w, dtype=np.float32), dtype=np.float64))
 
 
 def keep_window(absd: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -72,7 +80,7 @@ def combine(weighted: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None, 
     if not normalize:
         return total
     if mask is None:
-        div = w.sum()
+        div = torch.tensor(weight_sum(w.cpu().numpy()), device=total.device)
         return total / (div if float(div.abs()) >= 1e-8 else torch.ones_like(div))
     wm = w.unsqueeze(-1) * mask  # [N, n]
     div = wm[0].clone()

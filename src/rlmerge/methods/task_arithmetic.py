@@ -14,6 +14,7 @@ import numpy as np
 from .._torch import torch
 from ..errors import ConfigError
 from . import BlockContext, MethodSpec, check_range
+from ._ops import weight_sum
 
 
 def _check_weights(where: str, weights: tuple[float, ...] | None) -> None:
@@ -63,11 +64,6 @@ def weighted_sum(deltas: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     for t in range(1, deltas.shape[0]):
         total += deltas[t] * w[t]
     return total
-
-
-def weight_sum(w: np.ndarray) -> np.float32:
-    """Σ w_t as torch sums a float32 tensor on the CPU: accumulated in float64, rounded once to float32."""
-    return np.float32(np.sum(w, dtype=np.float64))
 
 
 def _divisor(where: str, w: np.ndarray) -> np.float32:
