@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 import rlmerge
 from conftest import TINY
-from rlmerge import budget, dryrun
-from rlmerge.checkpoint import Checkpoint
 from rlmerge.cli import main
+from rlmerge.engine import budget, dryrun
 from rlmerge.errors import ConfigError, InputError, OutputError
+from rlmerge.io.checkpoint import Checkpoint
 from rlmerge.synthetic import Shape, make_example, write_checkpoint
 
 
@@ -94,8 +94,8 @@ import json, shutil, sys
 from pathlib import Path
 import rlmerge
 import torch  # the torch path imports it on first use; BASELINE counts it
-from rlmerge.budget import estimate_memory
-from rlmerge.checkpoint import open_all
+from rlmerge.engine.budget import estimate_memory
+from rlmerge.io.open import open_all
 
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))

@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 
 import rlmerge
 from conftest import TINY, assert_same_tensors, load_output
-from rlmerge import budget
-from rlmerge.checkpoint import open_all
+from rlmerge.engine import budget
+from rlmerge.engine.match import match_models
 from rlmerge.errors import ConfigError, InputError, ProblemsError
-from rlmerge.partial import partial_path
-from rlmerge.plan import build_plan
+from rlmerge.io.open import open_all
+from rlmerge.io.partial import partial_path
 from rlmerge.synthetic import Shape, config, make_example, write_checkpoint
 
 
@@ -143,7 +143,7 @@ def test_agent_identical_to_base_is_reported(example, tmp_path: Path) -> None:
 
 def test_more_agents_than_memory_allows(example, tmp_path: Path, monkeypatch) -> None:
     base, agents = example
-    plan = build_plan(*(lambda m: (m[0], m[1:]))(open_all([base, *agents])))
+    plan = match_models(*(lambda m: (m[0], m[1:]))(open_all([base, *agents])))
     est = budget.estimate_memory(plan.base, plan.agents, 1 << 20)
     # Just below what the merge needs: refused before any file is written, with a block size that fits.
     monkeypatch.setattr(budget, "available_memory", lambda: est.total - 1)

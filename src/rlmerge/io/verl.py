@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from .._torch import torch
-from ..checkpoint import SIDE_FILES, Checkpoint, TensorInfo
-from ..dtypes import BF16, F32, DType, from_torch
 from ..errors import InputError
+from .checkpoint import SIDE_FILES, Checkpoint, TensorInfo
+from .dtypes import BF16, F32, DType, from_torch
 from .layouts import VERL_RANK
 
 CONVERT = "python -m verl.model_merger merge --backend fsdp --local_dir {actor} --target_dir MERGED"

@@ -23,11 +23,12 @@ import numpy as np
 
 from .._torch import torch
 from ..errors import ConfigError
+from ..params import check_range
 from ..stats import Statistics
-from . import BlockContext, MethodSpec, check_range
 from ._l1 import LaneSum, l1_factors
 from ._ops import agree, combine, elect_sign, keep_window, row_ranks, uniform
 from ._select import KthLargest
+from .spec import BlockContext, MethodSpec
 from .task_arithmetic import agent_weights
 
 Prune = Literal["magnitude", "magnitude-global", "random", "outliers", "magprune"]

@@ -19,7 +19,7 @@ import numpy as np
 
 from .._torch import torch
 from ..errors import ConfigError
-from . import BlockContext, MethodSpec
+from .spec import BlockContext, MethodSpec
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ import numpy as np
 
 from .._torch import torch
 from ..errors import ConfigError
+from ..params import check_range
 from ..stats import Statistics, overlap_ratio
-from . import BlockContext, MethodSpec, check_range
+from .spec import BlockContext, MethodSpec
 
 Preset = Literal["paper", "paper-soft", "official", "tensor-local"]
 PAPER = "arXiv:2601.13572"

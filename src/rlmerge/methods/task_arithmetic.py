@@ -13,8 +13,9 @@ import numpy as np
 
 from .._torch import torch
 from ..errors import ConfigError
-from . import BlockContext, MethodSpec, check_range
+from ..params import check_range
 from ._ops import weight_sum
+from .spec import BlockContext, MethodSpec
 
 
 def _check_weights(where: str, weights: tuple[float, ...] | None) -> None:

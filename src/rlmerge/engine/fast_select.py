@@ -15,35 +15,35 @@ from typing import Any
 
 import numpy as np
 
-from . import kernels
-from .fastpath import FastPath, OrderedWriter, eligible, enabled, next_block, statistics_pass_fast, stats_args
-from .methods import MethodSpec
-from .methods._ops import weight_sum
-from .methods._select import BINS, ROUNDS
-from .methods.gta import GtaObserver, _ranks
-from .methods.task_arithmetic import agent_weights
-from .plan import Job, Plan
-from .stats import Statistics, TensorStats
+from .. import kernels
+from ..methods import MethodSpec
+from ..methods._ops import weight_sum
+from ..methods._select import BINS, ROUNDS
+from ..methods.gta import GtaObserver, _ranks
+from ..methods.task_arithmetic import agent_weights
+from ..stats import Statistics, TensorStats
+from .fast import FastPath, OrderedWriter, eligible, enabled, next_block, statistics_pass_fast, stats_args
+from .match import Job, Match
 
 FAST_PRESETS = ("ties", "ties_global", "breadcrumbs", "breadcrumbs_ties")  # selection by magnitude, no L1 rescale
 
 
-def build(plan: Plan, spec: MethodSpec, p: Any, block_size: int, device: str, observer: Any,
+def build(match: Match, spec: MethodSpec, p: Any, block_size: int, device: str, observer: Any,
           extras: list[Any] | None, eps: float) -> GtaFast | None:
     """A GtaFast when every merged tensor can take the fast path (thresholds for all or none of them)."""
     if spec.name not in FAST_PRESETS or not enabled(device) or extras or not isinstance(observer, GtaObserver):
         return None
-    if not plan.merge_jobs or not all(eligible(plan, j) for j in plan.merge_jobs):
+    if not match.merge_jobs or not all(eligible(match, j) for j in match.merge_jobs):
         return None
-    return GtaFast(FastPath(plan, block_size), observer, p, eps)
+    return GtaFast(FastPath(match, block_size), observer, p, eps)
 
 
 class GtaFast:
     def __init__(self, fast: FastPath, observer: GtaObserver, params: Any, eps: float) -> None:
         self.fast, self.obs = fast, observer
-        self.stats_args = stats_args(len(fast.plan.agents), eps)
+        self.stats_args = stats_args(len(fast.match.agents), eps)
         preset = observer.preset
-        n = len(fast.plan.agents)
+        n = len(fast.match.agents)
         self.whole_model = preset.prune == "magnitude-global"
         self.w = agent_weights(preset.summary.split(":")[0], params.weights, n)
         div = weight_sum(self.w)  # methods/_ops.combine without a mask

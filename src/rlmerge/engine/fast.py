@@ -26,16 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from . import kernels
-from ._torch import torch
+from .. import kernels
+from .._torch import torch
+from ..errors import ConfigError
+from ..io.dtypes import BF16, F32, DType
+from ..io.mapping import DONTNEED, WILLNEED, Mapped
+from ..methods import MethodSpec
+from ..methods.gta import _row
+from ..stats import Statistics, TensorStats, check_finite
 from .blocks import device_type
-from .dtypes import BF16, F32, DType
-from .errors import ConfigError
-from .mapping import DONTNEED, WILLNEED, Mapped
-from .methods import MethodSpec
-from .methods.gta import _row
-from .plan import Job, Plan
-from .stats import Statistics, TensorStats, check_finite
+from .match import Job, Match
 
 STORED = {BF16: np.uint16, F32: np.float32}  # dtypes the kernels decode and encode
 FUSED = {"ram": kernels.MODE_RAM, "ram+": kernels.MODE_RAMPLUS, "task_arithmetic": kernels.MODE_TA,
@@ -79,8 +79,8 @@ class KernelArgs:
 def kernel_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None, n: int,
                 eps: float) -> KernelArgs | None:
     """None when the method has no fused kernel."""
-    from .methods.ram import rescale_factor
-    from .methods.task_arithmetic import _divisor, agent_weights
+    from ..methods.ram import rescale_factor
+    from ..methods.task_arithmetic import _divisor, agent_weights
 
     mode = FUSED.get(spec.name)
     if mode is None:
@@ -97,7 +97,7 @@ def kernel_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None,
     if spec.name == "ram":
         return KernelArgs(mode, np.float32(p.epsilon), ones, ones, False, one, one)
     if spec.name == "model_stock":
-        from .methods.model_stock import tensor_t
+        from ..methods.model_stock import tensor_t
 
         assert ts is not None  # the statistics pass ran (model_stock needs it)
         return KernelArgs(mode, np.float32(eps), ones, ones, True, np.float32(n), tensor_t(ts.dots, n))
@@ -108,13 +108,13 @@ def kernel_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None,
     return KernelArgs(mode, np.float32(eps), ones, w, bool(p.normalize), div, scaling)
 
 
-def eligible(plan: Plan, job: Job) -> bool:
+def eligible(match: Match, job: Job) -> bool:
     if job.kind != "merge" or not all(job.present) or job.out_dtype not in STORED or job.info.dtype not in STORED:
         return False
-    if any(m.format != "safetensors" for m in (plan.base, *plan.agents)):
+    if any(m.format != "safetensors" for m in (match.base, *match.agents)):
         return False
-    dtypes = {a.tensors[job.name].dtype for a in plan.agents}
-    return len(dtypes) == 1 and dtypes.pop() in STORED and len(plan.agents) <= kernels.MAX_AGENTS
+    dtypes = {a.tensors[job.name].dtype for a in match.agents}
+    return len(dtypes) == 1 and dtypes.pop() in STORED and len(match.agents) <= kernels.MAX_AGENTS
 
 
 def row_step(shape: tuple[int, ...], numel: int, block: int) -> int:
@@ -185,18 +185,18 @@ class _WriteQueue:
 
 
 class FastPath:
-    """Runs the fused kernels over the eligible jobs of a plan; see the module docstring."""
+    """Runs the fused kernels over the eligible jobs of a match; see the module docstring."""
 
-    def __init__(self, plan: Plan, block_size: int, *, exact_gram: bool = False, rows: bool = False) -> None:
-        self.plan = plan
+    def __init__(self, match: Match, block_size: int, *, exact_gram: bool = False, rows: bool = False) -> None:
+        self.match = match
         self.exact_gram = exact_gram
         self.rows = rows  # blocks cut at row boundaries (``step``)
         # a whole number of the kernels' tiles: tiles then sit at the same offsets of a tensor whatever the
         # block size and the number of threads, and so do the statistics' float32 partial sums (kernels.py)
         block = -(-block_size // kernels.TILE) * kernels.TILE
-        self.block = max(1, min(block, max((j.numel for j in plan.merge_jobs), default=1)))
-        n = len(plan.agents)
-        size = max((min(self.step(j), j.numel) for j in plan.merge_jobs), default=self.block) if rows else self.block
+        self.block = max(1, min(block, max((j.numel for j in match.merge_jobs), default=1)))
+        n = len(match.agents)
+        size = max((min(self.step(j), j.numel) for j in match.merge_jobs), default=self.block) if rows else self.block
         self.slots = [_Slot(n, max(size, 1)) for _ in range(4)]
         self.threads = compute_threads()
         self.hist = np.zeros((self.threads, *kernels.hist_shape(n)), dtype=np.int64)  # per compute thread
@@ -224,20 +224,20 @@ class FastPath:
         """A copy of the block in ``slot``: base [n], agents [N, n] (read-only, like the mapped views)."""
         n = stop - start
         bdt = STORED[job.info.dtype]
-        adt = STORED[self.plan.agents[0].tensors[job.name].dtype]
+        adt = STORED[self.match.agents[0].tensors[job.name].dtype]
         size = np.dtype(adt).itemsize
         base = slot.base[: n * np.dtype(bdt).itemsize]
-        self.plan.base.read_into(job.name, start, stop, memoryview(base))
-        agents = slot.agents[: len(self.plan.agents) * n * size]
-        for t, a in enumerate(self.plan.agents):
+        self.match.base.read_into(job.name, start, stop, memoryview(base))
+        agents = slot.agents[: len(self.match.agents) * n * size]
+        for t, a in enumerate(self.match.agents):
             a.read_into(job.name, start, stop, memoryview(agents[t * n * size:(t + 1) * n * size]))
-        base, agents = base.view(bdt), agents.view(adt).reshape(len(self.plan.agents), n)
+        base, agents = base.view(bdt), agents.view(adt).reshape(len(self.match.agents), n)
         base.flags.writeable = agents.flags.writeable = False  # one kernel signature for copies and views
         return base, agents
 
     def _views(self, job: Job, start: int, stop: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]] | None:
         """The block viewed in the mapped files, or None when some tensor cannot be viewed in place."""
-        models = (self.plan.base, *self.plan.agents)
+        models = (self.match.base, *self.match.agents)
         views = [self.mapped.view(m, job.name, start, stop) for m in models]
         if any(v is None for v in views):
             return None
@@ -245,7 +245,7 @@ class FastPath:
 
     def _advise(self, job: Job, start: int, stop: int, advice: int) -> None:
         if advice:
-            for m in (self.plan.base, *self.plan.agents):
+            for m in (self.match.base, *self.match.agents):
                 self.mapped.advise(m, job.name, start, stop, advice)
 
     def blocks(self, jobs: list[Job], passes: Callable[[Job], int] | None = None,
@@ -317,8 +317,8 @@ class FastPath:
             return torch.from_numpy(np.array(a)).view(dtype.torch).float()
 
         b = f32(base, job.info.dtype)
-        deltas = f32(np.stack(agents), self.plan.agents[0].tensors[job.name].dtype) - b
-        files = [str(a.tensors[job.name].file) for a in self.plan.agents]
+        deltas = f32(np.stack(agents), self.match.agents[0].tensors[job.name].dtype) - b
+        files = [str(a.tensors[job.name].file) for a in self.match.agents]
         check_finite(deltas, torch.tensor([float("nan")]), name=job.name, files=files, start=start)
 
     def out_view(self, slot: _Slot, job: Job, n: int) -> np.ndarray:
@@ -350,7 +350,7 @@ def stats_args(n_agents: int, eps: float) -> KernelArgs:
 def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar: Any,
                          also: Callable[[Job, int, np.ndarray, tuple[np.ndarray, ...]], None] | None = None) -> None:
     """The statistics of ``jobs`` (all eligible) through the fused kernel; ``also`` sees every block too."""
-    args = stats_args(len(fast.plan.agents), stats.epsilon)
+    args = stats_args(len(fast.match.agents), stats.epsilon)
     for job, start, stop, _slot, base, agents in fast.blocks(jobs):
         fast.run(job, start, base, agents, args, None, stats.for_tensor(job.name, job.numel, job.weight))
         if also is not None:
@@ -361,7 +361,7 @@ def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar
 
 
 class OrderedWriter:
-    """The writer's begin/write in plan order: queued on the fast path's writer thread when there is one."""
+    """The writer's begin/write in job order: queued on the fast path's writer thread when there is one."""
 
     def __init__(self, writer: Any, fast: FastPath | None) -> None:
         self.writer = writer

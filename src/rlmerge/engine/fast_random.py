@@ -20,14 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from .fastpath import FastPath, OrderedWriter, eligible, enabled, next_block, statistics_pass_fast, stats_args
-from .methods import MethodSpec
-from .methods._l1 import CHUNK, l1_factors
-from .methods._ops import chunk_seed, weight_sum
-from .methods.gta import PRESETS, _row, per_agent
-from .methods.task_arithmetic import agent_weights
-from .plan import Job, Plan
-from .stats import Statistics, TensorStats
+from ..methods import MethodSpec
+from ..methods._l1 import CHUNK, l1_factors
+from ..methods._ops import chunk_seed, weight_sum
+from ..methods.gta import PRESETS, _row, per_agent
+from ..methods.task_arithmetic import agent_weights
+from ..stats import Statistics, TensorStats
+from .fast import FastPath, OrderedWriter, eligible, enabled, next_block, statistics_pass_fast, stats_args
+from .match import Job, Match
 
 FAST_PRESETS = ("dare_ta", "dare_ties", "della", "della_linear")  # random drop; DELLA's from row ranks
 RESCALE = {"none": 0, "inverse": 1, "l1": 2}  # _numba_dare.RESCALE_*
@@ -39,26 +39,26 @@ MASK_BYTES = 64 << 20
 
 def merge_range(*args: Any) -> bool:
     """The DARE / DELLA merge rule over [lo, hi) of one block (_numba_dare.merge_range); True: τ not finite."""
-    from ._numba_dare import merge_range as kernel
+    from ..kernels.dare import merge_range as kernel
 
     return bool(kernel(*args))
 
 
 def l1_range(*args: Any) -> bool:
     """The L1 sums' lanes over [lo, hi) of one block (_numba_dare.l1_range); True when τ is not finite."""
-    from ._numba_dare import l1_range as kernel
+    from ..kernels.dare import l1_range as kernel
 
     return bool(kernel(*args))
 
 
-def build(plan: Plan, spec: MethodSpec, p: Any, block_size: int, device: str, extras: list[Any] | None,
+def build(match: Match, spec: MethodSpec, p: Any, block_size: int, device: str, extras: list[Any] | None,
           eps: float, seed: int) -> DareFast | None:
     """A DareFast when every merged tensor can take the fast path."""
     if spec.name not in FAST_PRESETS or not enabled(device) or extras:
         return None
-    if not plan.merge_jobs or not all(eligible(plan, j) for j in plan.merge_jobs):
+    if not match.merge_jobs or not all(eligible(match, j) for j in match.merge_jobs):
         return None
-    return DareFast(FastPath(plan, block_size, rows=spec.row_blocks(p)), spec.name, p, eps, seed)
+    return DareFast(FastPath(match, block_size, rows=spec.row_blocks(p)), spec.name, p, eps, seed)
 
 
 def pieces(start: int, n: int, threads: int) -> list[tuple[int, int]]:
@@ -81,7 +81,7 @@ class DareFast:
 
     def __init__(self, fast: FastPath, name: str, params: Any, eps: float, seed: int) -> None:
         preset = PRESETS[name]
-        n = len(fast.plan.agents)
+        n = len(fast.match.agents)
         self.fast, self.n, self.seed = fast, n, seed
         self.stats_args = stats_args(n, eps)
         self.w = agent_weights(preset.summary.split(":")[0], params.weights, n)  # as gta._merge
@@ -174,7 +174,7 @@ class DareFast:
 
     def _l1_block(self, job: Job, start: int, stop: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                   l1: _L1Sums) -> None:
-        from ._numba_dare import fold
+        from ..kernels.dare import fold
 
         part = np.empty((2, self.n, (stop - 1) // CHUNK - start // CHUNK + 1, 8), dtype=np.float64)
         self._threads(job, start, base, agents, lambda lo, hi: l1_range(

@@ -1,6 +1,6 @@
 """The only module that creates files: safetensors shards written as a stream, side files, atomic rename.
 
-Shapes and dtypes are known from the plan, so each shard's header is written before its first byte of
+Shapes and dtypes are known from the match, so each shard's header is written before its first byte of
 data and the data follows tensor by tensor, block by block: nothing is held in memory. Everything goes
 into a hidden sibling folder (``partial.PartialDir``) that is renamed onto the output only when complete,
 so an interrupted run never leaves a folder that looks like a finished model.
@@ -19,11 +19,25 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from .errors import ConfigError, InputError
+from ..errors import ConfigError, InputError
+from .dtypes import DType
 from .partial import PartialDir, disk_error
-from .plan import Job
+
+
+class Job(Protocol):
+    """What the writer needs of a tensor to write (engine.match.Job has it): its name, shape, stored dtype, bytes."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def out_dtype(self) -> DType: ...
+    @property
+    def out_nbytes(self) -> int: ...
+
 
 DEFAULT_SHARD_SIZE = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 WRITEBACK_CHUNK = 32 << 20  # bytes: how often the disk is asked to start writing what is buffered
@@ -113,7 +127,7 @@ def shard_header(shard: Shard, metadata: dict[str, str]) -> bytes:
     entries: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for j in shard.jobs:
-        entries[j.name] = {"dtype": j.out_dtype.code, "shape": list(j.info.shape),
+        entries[j.name] = {"dtype": j.out_dtype.code, "shape": list(j.shape),
                            "data_offsets": [offset, offset + j.out_nbytes]}
         offset += j.out_nbytes
     body = json.dumps(entries, separators=(",", ":")).encode()
@@ -169,11 +183,11 @@ class CheckpointWriter:
             self._fh = None
 
     def pending(self, jobs: Sequence[Job]) -> list[Job]:
-        """The jobs not yet written (a resumed run skips the shards it kept), in plan order."""
+        """The jobs not yet written (a resumed run skips the shards it kept), in job order."""
         done = set(self._order[:self._next])
         return [j for j in jobs if j.name not in done]
 
-    # -- tensor data, in plan order --------------------------------------------------------------------
+    # -- tensor data, in job order --------------------------------------------------------------------
     def begin(self, job: Job) -> None:
         if self._next >= len(self._order) or self._order[self._next] != job.name:
             raise RuntimeError(f"writer expected {self._order[self._next:self._next + 1]}, got {job.name}")

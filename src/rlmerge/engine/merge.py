@@ -1,4 +1,4 @@
-"""The merge, top to bottom: open → plan → statistics pass (if the method needs it) → merge pass → write."""
+"""The merge, top to bottom: open → match → statistics pass (if the method needs it) → merge pass → write."""
 
 from __future__ import annotations
 
@@ -11,12 +11,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import fastdare, fastgta
-from ._torch import torch
+from .._torch import torch
+from ..errors import ConfigError, InputError, RLMergeError, raise_all
+from ..io.checkpoint import SIDE_FILES, Checkpoint
+from ..io.partial import PartialDir, fingerprint, input_identity
+from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
+from ..methods import BlockContext, MethodSpec
+from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
+from ..report.provenance import model_card, provenance
+from ..stats import Statistics, check_finite
+from . import fast_random as fastdare
+from . import fast_select as fastgta
 from .blocks import DEFAULT_BLOCK, Block, BlockReader, device_type, spans, tensor_bytes
-from .checkpoint import SIDE_FILES, Checkpoint
-from .errors import ConfigError, InputError, RLMergeError, raise_all
-from .fastpath import (
+from .fast import (
     EXACT_GRAM,
     FUSED,
     FastPath,
@@ -27,15 +34,9 @@ from .fastpath import (
     merge_job_fast,
     statistics_pass_fast,
 )
-from .methods import BlockContext, MethodSpec
-from .partial import PartialDir, fingerprint, input_identity
-from .plan import Job, Plan
+from .match import Job, Match
 from .preflight import preflight
 from .progress import Progress
-from .provenance import model_card, provenance
-from .report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
-from .stats import Statistics, check_finite
-from .writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
 
 
 @dataclass
@@ -75,11 +76,11 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
                    count_tied_twice=count_tied_twice, seed=seed)
     try:
         raise_all(pf.problems)
-        assert pf.plan is not None and pf.spec is not None  # no problems: every stage ran
-        check_copies(pf.plan)  # reads the copied tensors only, before anything is written
+        assert pf.match is not None and pf.spec is not None  # no problems: every stage ran
+        check_copies(pf.match)  # reads the copied tensors only, before anything is written
         extras = [x for x in pf.extras if x is not None]
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
-            result = _run(pf.plan, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,
+            result = _run(pf.match, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,
                           block_size=pf.block_size, device=device, seed=seed, quiet=quiet, recipe=recipe,
                           extras=extras, fsync=fsync)
     finally:
@@ -88,22 +89,22 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     return result
 
 
-def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_bytes: int, block_size: int,
+def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_bytes: int, block_size: int,
          device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
          extras: list[Checkpoint] | None = None, fsync: bool = True) -> MergeResult:
-    stats = Statistics([a.label for a in plan.agents], spec.epsilon(p))
-    reader = BlockReader(plan, block_size=block_size, device=device, rows=spec.row_blocks(p), extras=extras or None)
-    observer = spec.observer(p, len(plan.agents))
+    stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
+    reader = BlockReader(match, block_size=block_size, device=device, rows=spec.row_blocks(p), extras=extras or None)
+    observer = spec.observer(p, len(match.agents))
     metadata = {"rlmerge_method": spec.name}
-    fp = fingerprint([plan.base, *plan.agents, *(extras or [])], {
+    fp = fingerprint([match.base, *match.agents, *(extras or [])], {
         "method": spec.name, "params": repr(p), "seed": seed, "recipe": recipe, "metadata": metadata,
         "device": device_type(device),  # float results may differ between CPU and GPU kernels
-        "headers": [shard_header(s, metadata).hex() for s in layout_shards(plan.jobs, shard_bytes)]})
-    writer = CheckpointWriter(partial, plan.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp,
-                              fsync=fsync, identity=input_identity([plan.base, *plan.agents, *(extras or [])]))
-    gta = (fastgta.build(plan, spec, p, block_size, device, observer, extras, stats.epsilon)
-           or fastdare.build(plan, spec, p, block_size, device, extras, stats.epsilon, seed))
-    fast = gta.fast if gta is not None else _fast_path(plan, spec, p, block_size, device, observer, extras)
+        "headers": [shard_header(s, metadata).hex() for s in layout_shards(match.jobs, shard_bytes)]})
+    writer = CheckpointWriter(partial, match.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp,
+                              fsync=fsync, identity=input_identity([match.base, *match.agents, *(extras or [])]))
+    gta = (fastgta.build(match, spec, p, block_size, device, observer, extras, stats.epsilon)
+           or fastdare.build(match, spec, p, block_size, device, extras, stats.epsilon, seed))
+    fast = gta.fast if gta is not None else _fast_path(match, spec, p, block_size, device, observer, extras)
     with Progress(quiet=quiet) as progress, writer, _closing(fast):
         # The fast TIES / DARE paths find per-tensor thresholds and L1 sums inside the merge pass; a whole-model
         # threshold needs a pass.
@@ -112,35 +113,35 @@ def _run(plan: Plan, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_byt
         # (for the report, and for RAM+'s ρ) in a statistics pass over the whole model first.
         two_pass = needs_stats or partial.resumed > 0
         if two_pass:
-            statistics_pass(plan, reader, stats, progress, observer, seed=seed, fast=fast, gta=gta)
+            statistics_pass(match, reader, stats, progress, observer, seed=seed, fast=fast, gta=gta)
             stats.observed = observer
-        prepared = spec.prepare(p, stats if needs_stats else None, len(plan.agents))
-        warnings = [*plan.warnings, *getattr(prepared, "warnings", ())]
-        result = MergeResult(partial.output, spec.name, p, stats, warnings=warnings, read_bytes=plan.read_bytes,
-                             write_bytes=plan.write_bytes)
+        prepared = spec.prepare(p, stats if needs_stats else None, len(match.agents))
+        warnings = [*match.warnings, *getattr(prepared, "warnings", ())]
+        result = MergeResult(partial.output, spec.name, p, stats, warnings=warnings, read_bytes=match.read_bytes,
+                             write_bytes=match.write_bytes)
         if prepared is not None and hasattr(prepared, "lambdas"):
             result.lambdas, result.rho = list(prepared.lambdas), list(prepared.rho)
-        merge_pass(plan, reader, spec, p, prepared, stats, writer, progress, collect=not two_pass, seed=seed,
+        merge_pass(match, reader, spec, p, prepared, stats, writer, progress, collect=not two_pass, seed=seed,
                    fast=fast, gta=gta)
         if not needs_stats:
             result.warnings += _identical_agents(stats)
-        _side_files(plan.base, writer, plan)
+        _side_files(match.base, writer, match)
         # The statistics this merge already collected feed the report: no extra pass.
-        doc = build_report(stats, dtype_facts(plan), base=plan.base.label, warnings=result.warnings)
+        doc = build_report(stats, dtype_facts(match), base=match.base.label, warnings=result.warnings)
         writer.write_text(REPORT_FILE, to_json(doc))
-        writer.write_text("README.md", model_card(plan, result) + "\n" + to_markdown(doc, level=2))
-        writer.finish(provenance(plan, result, recipe))
+        writer.write_text("README.md", model_card(match, result) + "\n" + to_markdown(doc, level=2))
+        writer.finish(provenance(match, result, recipe))
     return result
 
 
-def _fast_path(plan: Plan, spec: MethodSpec, p: Any, block_size: int, device: str, observer: Any,
+def _fast_path(match: Match, spec: MethodSpec, p: Any, block_size: int, device: str, observer: Any,
                extras: list[Checkpoint] | None) -> FastPath | None:
     """The fused-kernel path (fastpath.py) when numba is installed and the method has a fused kernel."""
     if not enabled(device) or spec.name not in FUSED or observer is not None or extras or spec.row_blocks(p):
         return None
-    if not any(eligible(plan, j) for j in plan.jobs):
+    if not any(eligible(match, j) for j in match.jobs):
         return None
-    return FastPath(plan, block_size, exact_gram=spec.name in EXACT_GRAM)
+    return FastPath(match, block_size, exact_gram=spec.name in EXACT_GRAM)
 
 
 @contextlib.contextmanager
@@ -171,8 +172,8 @@ def _count(stats: Statistics, name: str, numel: int, weight: int, start: int, de
     check_finite(deltas, torch.from_numpy(ts.sumsq - before), name=name, files=files, start=start)
 
 
-def _agent_files(plan: Plan, name: str) -> list[str]:
-    return [str(a.tensors[name].file) if name in a.tensors else str(a.path) for a in plan.agents]
+def _agent_files(match: Match, name: str) -> list[str]:
+    return [str(a.tensors[name].file) if name in a.tensors else str(a.path) for a in match.agents]
 
 
 def _ctx(job: Job, blk: Block, prepared: Any, stats: Statistics, seed: int) -> BlockContext:
@@ -180,20 +181,20 @@ def _ctx(job: Job, blk: Block, prepared: Any, stats: Statistics, seed: int) -> B
                         stats.tensors.get(job.name), seed, blk.extra)
 
 
-def statistics_pass(plan: Plan, reader: BlockReader, stats: Statistics, progress: Progress, observer: Any = None,
+def statistics_pass(match: Match, reader: BlockReader, stats: Statistics, progress: Progress, observer: Any = None,
                     *, seed: int = 0, fast: FastPath | None = None,
                     gta: fastgta.GtaFast | fastdare.DareFast | None = None) -> None:
     """Count every block; feed the method's observer, streaming a tensor (or the model) again if it asks."""
-    jobs = plan.merge_jobs
+    jobs = match.merge_jobs
     with progress.task("statistics", total=sum(j.info.nbytes for j in jobs), tensors=len(jobs)) as bar:
         if gta is not None:  # every job is on the fast path; ties_global's selection rounds run here
             gta.statistics_pass(jobs, stats, bar)
             return
         if fast is not None and observer is None and not stats.thresholds:  # fused kernel for eligible jobs
-            statistics_pass_fast(fast, [j for j in jobs if eligible(plan, j)], stats, bar)
-            jobs = [j for j in jobs if not eligible(plan, j)]
+            statistics_pass_fast(fast, [j for j in jobs if eligible(match, j)], stats, bar)
+            jobs = [j for j in jobs if not eligible(match, j)]
         for job in jobs:
-            files = _agent_files(plan, job.name)
+            files = _agent_files(match, job.name)
             for blk in reader.blocks(job):
                 _count(stats, job.name, job.numel, job.weight, blk.start, blk.deltas, files)
                 if observer is not None:
@@ -213,22 +214,22 @@ def _observe_again(observer: Any, reader: BlockReader, jobs: list[Job], stats: S
             observer.observe(_ctx(job, blk, None, stats, seed), blk.base, blk.deltas)
 
 
-def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepared: Any, stats: Statistics,
+def merge_pass(match: Match, reader: BlockReader, spec: MethodSpec, p: Any, prepared: Any, stats: Statistics,
                writer: CheckpointWriter, progress: Progress, *, collect: bool, seed: int,
                fast: FastPath | None = None, gta: fastgta.GtaFast | fastdare.DareFast | None = None) -> None:
-    pending = writer.pending(plan.jobs)  # a resumed run skips the shards it kept
+    pending = writer.pending(match.jobs)  # a resumed run skips the shards it kept
     # inspect's extra counters (stats.thresholds) are torch-path only
     fast = fast if not stats.thresholds else None
-    fast_jobs = [j for j in pending if eligible(plan, j)] if fast is not None else []
+    fast_jobs = [j for j in pending if eligible(match, j)] if fast is not None else []
     passes = gta.passes if gta is not None else None  # TIES reads a large tensor 3 times (2 selection rounds)
     fast_blocks = fast.blocks(list(fast_jobs), passes) if fast is not None else iter(())
-    out = OrderedWriter(writer, fast)  # fast path: writes queued on a writer thread, in plan order
+    out = OrderedWriter(writer, fast)  # fast path: writes queued on a writer thread, in job order
     with progress.task("merge", total=sum(j.out_nbytes for j in pending), tensors=len(pending)) as bar:
         for job in pending:
             out.begin(job)
             if job.kind == "copy":
                 for start, stop in spans(job.numel, reader.block_size):
-                    out.write_now(plan.base.read_raw(job.name, start, stop))
+                    out.write_now(match.base.read_raw(job.name, start, stop))
                     bar.advance((stop - start) * job.out_dtype.itemsize)
                 bar.tensor_done()
                 continue
@@ -239,12 +240,12 @@ def merge_pass(plan: Plan, reader: BlockReader, spec: MethodSpec, p: Any, prepar
                     gta.merge_job(fast_blocks, job, ts, out, bar)
                     bar.tensor_done()
                     continue
-                args = kernel_args(spec, p, prepared, stats.tensors.get(job.name), len(plan.agents), stats.epsilon)
+                args = kernel_args(spec, p, prepared, stats.tensors.get(job.name), len(match.agents), stats.epsilon)
                 assert args is not None  # fast is only built for methods with a fused kernel
                 merge_job_fast(fast, fast_blocks, job, args, ts, out, bar)
                 bar.tensor_done()
                 continue
-            files = _agent_files(plan, job.name)
+            files = _agent_files(match, job.name)
             for blk in reader.blocks(job):
                 if collect:
                     _count(stats, job.name, job.numel, job.weight, blk.start, blk.deltas, files)
@@ -270,20 +271,20 @@ def _cast(merged: torch.Tensor, job: Job, start: int) -> torch.Tensor:
     return out
 
 
-def check_copies(plan: Plan) -> None:
+def check_copies(match: Match) -> None:
     """A tensor rlmerge does not merge (integers, buffers) is copied from the base: every agent that has it must
     hold the same bytes, or the agent's change would be silently lost. Raises naming the file and the tensor."""
     problems: list[RLMergeError] = []
-    for job in plan.jobs:
+    for job in match.jobs:
         if job.kind != "copy":
             continue
-        for agent, here in zip(plan.agents, job.present):
+        for agent, here in zip(match.agents, job.present):
             if not here:
                 continue
             info = agent.tensors[job.name]
             step = max(1, (1 << 24) // max(job.info.dtype.itemsize, 1))
             if info.dtype != job.info.dtype or any(
-                    bytes(plan.base.read_raw(job.name, a, b)) != bytes(agent.read_raw(job.name, a, b))
+                    bytes(match.base.read_raw(job.name, a, b)) != bytes(agent.read_raw(job.name, a, b))
                     for a, b in spans(job.numel, step)):
                 problems.append(InputError(f"the agent changed a {info.dtype.code} tensor, which rlmerge copies "
                                            "from the base instead of merging", file=str(info.file), tensor=job.name,
@@ -292,22 +293,22 @@ def check_copies(plan: Plan) -> None:
     raise_all(problems)
 
 
-def _side_files(base: Checkpoint, writer: CheckpointWriter, plan: Plan) -> None:
+def _side_files(base: Checkpoint, writer: CheckpointWriter, match: Match) -> None:
     """config, generation config, tokenizer and chat-template files come from the base."""
     for name in SIDE_FILES:
         src = base.side_dir / name
         if not src.is_file():
             continue
         if name == "config.json":
-            writer.write_text(name, _config_with_dtype(base.config, plan))
+            writer.write_text(name, _config_with_dtype(base.config, match))
         else:
             writer.copy_file(src)
 
 
-def _config_with_dtype(config: dict[str, Any], plan: Plan) -> str:
+def _config_with_dtype(config: dict[str, Any], match: Match) -> str:
     """The base's config, with its dtype field naming the dtype most merged tensors are written in."""
     cfg = dict(config)
-    floats = [j.out_dtype for j in plan.jobs if j.kind == "merge"]
+    floats = [j.out_dtype for j in match.jobs if j.kind == "merge"]
     if floats:
         name = str(max(set(floats), key=floats.count)).removeprefix("torch.")
         for key in ("torch_dtype", "dtype"):

@@ -23,18 +23,21 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-MODE_STATS, MODE_RAM, MODE_TA, MODE_LINEAR, MODE_RAMPLUS, MODE_STOCK = 0, 1, 2, 3, 4, 5
-MAX_AGENTS = 8  # 4^N histogram bins per thread: 65536 at N = 8
-TILE = 1024  # elements per tile: the scratch of one tile stays in L1/L2
+from .layout import (  # noqa: F401  re-exported: the engine's one door to the kernels
+    GTA_NONFINITE_BIN,
+    MAX_AGENTS,
+    MODE_LINEAR,
+    MODE_RAM,
+    MODE_RAMPLUS,
+    MODE_STATS,
+    MODE_STOCK,
+    MODE_TA,
+    SUBHISTS,
+    TILE,
+    hist_shape,
+)
+
 HAVE_NUMBA = importlib.util.find_spec("numba") is not None
-
-
-SUBHISTS = 8  # sub-histograms per thread for the pattern codes (1 when 4^N bins would not stay in cache)
-
-
-def hist_shape(n_agents: int) -> tuple[int, int]:
-    bins = 4**n_agents
-    return (SUBHISTS if bins <= 4096 else 1), bins
 
 
 def fused_range(mode: int, base: Any, agents: tuple[Any, ...], lo: int, hi: int, eps: Any, lam: Any, w: Any,
@@ -49,30 +52,29 @@ def fused_range(mode: int, base: Any, agents: tuple[Any, ...], lo: int, hi: int,
     over tiles.
     Compiled on first use for each (mode, N, dtypes), cached on disk.
     """
-    from ._numba_fused import RANGES
+    from .fused import RANGES
 
     return bool(RANGES[mode](base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact))
 
 
-GTA_NONFINITE_BIN = 0x7F800000 >> 20  # round-0 bins of |τ| patterns at or above inf (exponent all ones)
 
 
 def gta_hist_first(*args: Any) -> None:
     """Round 0 of the |τ| selection: hist[t, j % S, digit 0 of |τ_t|] += 1 over [lo, hi) (_numba_gta)."""
-    from ._numba_gta import hist_first
+    from .select import hist_first
 
     hist_first(*args)
 
 
 def gta_hist_next(*args: Any) -> None:
     """A later round: digit counts of the |τ| whose higher digits equal each query's prefix (_numba_gta)."""
-    from ._numba_gta import hist_next
+    from .select import hist_next
 
     hist_next(*args)
 
 
 def gta_merge_range(*args: Any) -> None:
     """The TIES / Breadcrumbs merge rule over [lo, hi) of one block (see _numba_gta.merge_range)."""
-    from ._numba_gta import merge_range
+    from .select import merge_range
 
     merge_range(*args)

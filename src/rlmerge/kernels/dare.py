@@ -23,11 +23,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import _numba_mt as mt
-from ._numba_della import probs, rank_span, scratch
-from ._numba_gta import combine_tile
-from ._numba_kernels import _dec
-from .kernels import TILE
+from . import mt
+from .codec import _dec
+from .della import probs, rank_span, scratch
+from .layout import TILE
+from .select import combine_tile
 
 CHUNK = 1 << 16  # methods/_ops.RNG_CHUNK and methods/_l1.CHUNK (tests/test_fastdare.py checks)
 RESCALE_NONE, RESCALE_INVERSE, RESCALE_L1 = 0, 1, 2

@@ -21,8 +21,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from ._numba_kernels import _f32_as_u32, _u32_as_f32
-from .kernels import MODE_LINEAR, MODE_RAM, MODE_RAMPLUS, MODE_STATS, MODE_STOCK, MODE_TA, TILE
+from .codec import _f32_as_u32, _u32_as_f32
+from .layout import MODE_LINEAR, MODE_RAM, MODE_RAMPLUS, MODE_STATS, MODE_STOCK, MODE_TA, TILE
 
 _BODY = '''
 def tile(base, agents, lo, m, eps, lam, w, normalize, div, scaling, out, tau, code, mode):

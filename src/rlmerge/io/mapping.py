@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InputError
 from .checkpoint import Checkpoint, TensorInfo, descriptor_budget
-from .errors import InputError
 
 PAGE = mmap.ALLOCATIONGRANULARITY
 

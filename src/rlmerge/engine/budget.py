@@ -1,4 +1,4 @@
-"""Peak memory of a merge, estimated from the plan alone, and the check that refuses one that will not fit.
+"""Peak memory of a merge, estimated from the match alone, and the check that refuses one that will not fit.
 
 Memory is bounded by the block size B (elements) and the number of agents N, never by the model size:
 
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import Checkpoint
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..io.checkpoint import Checkpoint
 
 # Measured (Linux, torch 2.13 CPU; tests/test_plan_dry_run.py re-measures it): RSS after importing rlmerge and
 # opening 4 checkpoints 239 MiB; peak − that = 47 / 149 / 281 MiB for blocks of 0.25 / 1 / 2 M elements,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .checkpoint import Checkpoint, TensorInfo
-from .dtypes import DType
-from .errors import InputError, RLMergeError, raise_all
-from .io.lora import bind_to_base
+from ..errors import InputError, RLMergeError, raise_all
+from ..io.checkpoint import Checkpoint, TensorInfo
+from ..io.dtypes import DType
+from ..io.lora import bind_to_base
 
 EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
 LM_HEAD = "lm_head.weight"
@@ -34,12 +34,16 @@ class Job:
         return self.info.numel
 
     @property
+    def shape(self) -> tuple[int, ...]:
+        return self.info.shape
+
+    @property
     def out_nbytes(self) -> int:
         return self.numel * self.out_dtype.itemsize
 
 
 @dataclass
-class Plan:
+class Match:
     base: Checkpoint
     agents: list[Checkpoint]
     jobs: list[Job]
@@ -90,11 +94,11 @@ def _config_problems(base: Checkpoint, agent: Checkpoint) -> list[RLMergeError]:
     return out
 
 
-def _tying_problems(base: Checkpoint, agent: Checkpoint, plan: Plan) -> list[RLMergeError]:
+def _tying_problems(base: Checkpoint, agent: Checkpoint, match: Match) -> list[RLMergeError]:
     """Tied vs untied lm_head across base and agent: never a silent choice.
 
     - base ties (no lm_head stored), agent stores lm_head while its config says ``tie_word_embeddings:
-      true``: the stored copy is redundant; it is dropped and reported (``plan.warnings``).
+      true``: the stored copy is redundant; it is dropped and reported (``match.warnings``).
     - base ties, agent's config says untied *or does not say* (transformers' default differs between
       model classes): the agent may have trained its own lm_head, and dropping it would lose part of the
       agent, so this is an error.
@@ -102,13 +106,13 @@ def _tying_problems(base: Checkpoint, agent: Checkpoint, plan: Plan) -> list[RLM
       share; an error too (there is no base lm_head delta to compute).
     """
     tie = agent.config.get("tie_word_embeddings")
-    if plan.tied and LM_HEAD in agent.tensors:
+    if match.tied and LM_HEAD in agent.tensors:
         if tie is not True:
             return [InputError(f"the agent stores its own lm_head (config tie_word_embeddings: {tie}) but the base "
                                "ties lm_head to its embeddings", file=str(agent.path), tensor=LM_HEAD,
                                hint="merge against an untied copy of the base (lm_head stored, "
                                     "tie_word_embeddings: false), or re-save the agent tied")]
-        plan.warnings.append(f"agent {agent.label} stores lm_head.weight although its config ties it to the "
+        match.warnings.append(f"agent {agent.label} stores lm_head.weight although its config ties it to the "
                              f"embeddings, like the base: the redundant copy is dropped")
     if LM_HEAD in base.tensors and LM_HEAD not in agent.tensors and tie is True:
         return [InputError("the agent ties lm_head to its embeddings (no lm_head stored) but the base stores "
@@ -143,12 +147,12 @@ def _fp8_problems(models: list[Checkpoint]) -> list[RLMergeError]:
     return out
 
 
-def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | None = None,
-               allow_missing: bool = False, count_tied_twice: bool = False) -> Plan:
+def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | None = None,
+               allow_missing: bool = False, count_tied_twice: bool = False) -> Match:
     """Check every agent against the base and lay out the jobs; raise all problems together."""
     problems: list[RLMergeError] = bind_to_base(base, agents)  # LoRA agents take the base's tensors
-    plan = Plan(base, agents, jobs=[], tied=tied_tensors(base))
-    plan.warnings += [note for m in (base, *agents) for note in m.notes]
+    match = Match(base, agents, jobs=[], tied=tied_tensors(base))
+    match.warnings += [note for m in (base, *agents) for note in m.notes]
     if not agents:
         problems.append(InputError("no agents given", hint="pass at least one agent after the base"))
     problems += _fp8_problems([base, *agents])
@@ -157,9 +161,9 @@ def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | Non
                                    hint="point at the base model's folder"))
     for a in agents:
         problems += _config_problems(base, a)
-        problems += _tying_problems(base, a, plan)
+        problems += _tying_problems(base, a, match)
         if a.path.resolve() == base.path.resolve():
-            plan.warnings.append(f"agent {a.label} is the base folder itself: it contributes nothing")
+            match.warnings.append(f"agent {a.label} is the base folder itself: it contributes nothing")
 
     order = sorted(base.tensors.values(), key=lambda t: (str(t.file), t.offset, t.name))
     for info in order:
@@ -174,7 +178,7 @@ def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | Non
                         "tensor is in the base but missing from the agent", file=str(a.path),
                         tensor=info.name, hint="pass --allow-missing to treat the agent as unchanged there"))
                 elif info.is_float:
-                    plan.missing.setdefault(info.name, []).append(a.label)
+                    match.missing.setdefault(info.name, []).append(a.label)
                 present.append(False)
                 continue
             present.append(True)
@@ -192,19 +196,19 @@ def build_plan(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | Non
                                            tensor=info.name, hint="re-save the agent in a float dtype"))
         kind: Literal["merge", "copy"] = "merge" if info.is_float else "copy"
         out_dtype = dtype if (dtype is not None and info.is_float) else info.dtype
-        weight = 2 if (count_tied_twice and info.name in plan.tied) else 1
-        plan.jobs.append(Job(info.name, kind, info, out_dtype, tuple(present), weight))
+        weight = 2 if (count_tied_twice and info.name in match.tied) else 1
+        match.jobs.append(Job(info.name, kind, info, out_dtype, tuple(present), weight))
 
     for a in agents:
         for name in a.tensors:
             if name not in base.tensors:
-                plan.dropped.setdefault(name, []).append(a.label)
-        other = {(a.tensors[j.name].dtype, j.info.dtype) for j in plan.jobs
+                match.dropped.setdefault(name, []).append(a.label)
+        other = {(a.tensors[j.name].dtype, j.info.dtype) for j in match.jobs
                  if j.kind == "merge" and j.name in a.tensors and a.tensors[j.name].dtype != j.info.dtype}
         for theirs, ours in sorted(other, key=lambda d: (d[0].code, d[1].code)):
-            plan.warnings.append(_dtype_warning(a.label, theirs, ours))
-    if plan.dropped:
-        plan.warnings.append(f"{len(plan.dropped)} tensor(s) only some agents have are dropped: "
-                             + ", ".join(sorted(plan.dropped)[:5]) + (" …" if len(plan.dropped) > 5 else ""))
+            match.warnings.append(_dtype_warning(a.label, theirs, ours))
+    if match.dropped:
+        match.warnings.append(f"{len(match.dropped)} tensor(s) only some agents have are dropped: "
+                             + ", ".join(sorted(match.dropped)[:5]) + (" …" if len(match.dropped) > 5 else ""))
     raise_all(problems)
-    return plan
+    return match
