@@ -13,9 +13,7 @@ from safetensors.torch import load_file
 import rlmerge
 from conftest import TINY, assert_same_tensors, load_output
 from rlmerge.engine import budget
-from rlmerge.engine.match import match_models
 from rlmerge.errors import ConfigError, InputError, ProblemsError
-from rlmerge.io.open import open_all
 from rlmerge.io.partial import partial_path
 from rlmerge.synthetic import Shape, config, make_example, write_checkpoint
 
@@ -143,18 +141,17 @@ def test_agent_identical_to_base_is_reported(example, tmp_path: Path) -> None:
 
 def test_more_agents_than_memory_allows(example, tmp_path: Path, monkeypatch) -> None:
     base, agents = example
-    plan = match_models(*(lambda m: (m[0], m[1:]))(open_all([base, *agents])))
-    est = budget.estimate_memory(plan.base, plan.agents, 1 << 20)
+    est = rlmerge.dry_run(base, agents, block_size=1 << 20).memory  # the route's estimate, whichever path
     # Just below what the merge needs: refused before any file is written, with a block size that fits.
     monkeypatch.setattr(budget, "available_memory", lambda: est.total - 1)
     with pytest.raises(ConfigError, match="needs about") as info:
         rlmerge.merge(base, agents, tmp_path / "out", block_size=1 << 20)
     fits = int(info.value.hint.split("--block-size ")[1].split()[0])
-    assert budget.estimate_memory(plan.base, plan.agents, fits).total <= est.total - 1
+    assert rlmerge.dry_run(base, agents, block_size=fits).memory.total <= est.total - 1
     assert not (tmp_path / "out").exists() and not partial_path(tmp_path / "out").exists()
     # A block size that fits is accepted; two agents need less than three.
     rlmerge.merge(base, agents, tmp_path / "ok", block_size=fits)
-    assert budget.estimate_memory(plan.base, plan.agents[:2], 1 << 20).total < est.total
+    assert rlmerge.dry_run(base, agents[:2], block_size=1 << 20).memory.total < est.total
 
 
 def test_every_problem_is_reported_at_once(example, tmp_path: Path) -> None:

@@ -16,10 +16,12 @@ from ..io.partial import output_problems, write_file
 from ..methods import BlockContext
 from ..report import Report, build_report, dtype_facts
 from ..stats import Magnitudes, Statistics
+from .backends import Run, TorchBackend
 from .blocks import DEFAULT_BLOCK, BlockReader
 from .match import match_models
-from .merge import statistics_pass
+from .passes import statistics_pass
 from .progress import Progress
+from .route import route
 
 DEFAULT_THRESHOLDS = (1e-6, 1e-5, 1e-4, 1e-3)
 
@@ -69,12 +71,13 @@ def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
         match = match_models(models[0], models[1:], allow_missing=allow_missing, count_tied_twice=count_tied_twice)
         mags = Magnitudes(len(match.agents))
         stats = Statistics([a.label for a in match.agents], float(epsilon), thresholds=extra, magnitudes=mags)
-        reader = BlockReader(match, block_size=block_size, device=device)
+        run = Run(match, None, None, stats, observer=MagnitudeObserver(mags))  # type: ignore[arg-type]
+        chosen = route(match, None, None, device=device, block_size=block_size)  # no method: inspect
         with Progress(quiet=quiet) as progress:
-            statistics_pass(match, reader, stats, progress, MagnitudeObserver(mags))
-        identical = [f"agent {a} is identical to the base (no element with |τ| > ε): it contributes nothing"
-                     for a, c in zip(stats.agents, stats.changed) if c == 0]
-        doc = build_report(stats, dtype_facts(match), base=match.base.label, warnings=[*match.warnings, *identical])
+            statistics_pass(run, chosen, None, TorchBackend(run, BlockReader(match, block_size=block_size,
+                                                                            device=device)), progress)
+        doc = build_report(stats, dtype_facts(match), base=match.base.label,
+                           warnings=[*match.warnings, *stats.identical_agents()])
         report = Report(doc, stats)
         if save is not None:
             write_file(save, report.to_json().encode(), force=force, inputs=models)

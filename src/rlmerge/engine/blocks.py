@@ -111,6 +111,13 @@ class BlockReader:
         row = math.prod(shape[1:]) if len(shape) >= 2 else max(job.numel, 1)
         return max(row, self.block_size // row * row)
 
+    def bytes_of(self, job: Job, blk: Block) -> int:
+        """Stored bytes read for one block: the base's, each present agent's and each side input's."""
+        m = self.match
+        agents = sum(a.tensors[job.name].dtype.itemsize for a, here in zip(m.agents, job.present) if here)
+        extra = sum(x.tensors[job.name].dtype.itemsize for x in self.extras or ())
+        return blk.n * (job.info.dtype.itemsize + agents + extra)
+
     def spans(self, job: Job) -> Iterator[tuple[int, int]]:
         return spans(job.numel, self.step(job))
 

@@ -17,7 +17,7 @@ from ..io.writer import DEFAULT_SHARD_SIZE, layout_shards
 from .blocks import DEFAULT_BLOCK
 from .budget import MemoryEstimate
 from .match import Match
-from .preflight import Preflight, preflight
+from .preflight import preflight
 
 
 @dataclass
@@ -71,28 +71,11 @@ def dry_run(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
     try:
         report = DryRun(method, problems=pf.problems, memory=pf.memory, available_memory=pf.available)
         if pf.match is not None:
-            _costs(report, pf.match, _two_pass(pf), pf.shard_bytes or DEFAULT_SHARD_SIZE)
+            report.match, report.warnings = pf.match, list(pf.match.warnings)
+            report.write_bytes = pf.match.write_bytes
+            report.shards = len(layout_shards(pf.match.jobs, pf.shard_bytes or DEFAULT_SHARD_SIZE))
+        if pf.route is not None:  # what the merge will do: the route it will take
+            report.passes, report.read_bytes = pf.route.passes, pf.route.read_bytes
     finally:
         pf.close()
     return report
-
-
-def _two_pass(pf: Preflight) -> bool:
-    spec, p = pf.spec, pf.params
-    if spec is None or p is None or pf.match is None:
-        return False
-    try:
-        return spec.needs_stats(p) or spec.observer(p, len(pf.match.agents)) is not None
-    except RLMergeError:  # reported by the preflight already
-        return spec.needs_stats(p)
-
-
-def _costs(report: DryRun, match: Match, two_pass: bool, shard_bytes: int) -> None:
-    """Passes, bytes read over all of them (an observer asking for more passes reads more), bytes written."""
-    report.match, report.warnings = match, list(match.warnings)
-    report.passes = ["statistics", "merge"] if two_pass else ["merge"]
-    stats_read = sum(j.info.nbytes + sum(a.tensors[j.name].nbytes for a, here in zip(match.agents, j.present) if here)
-                     for j in match.merge_jobs)
-    report.read_bytes = match.read_bytes + (stats_read if two_pass else 0)
-    report.write_bytes = match.write_bytes
-    report.shards = len(layout_shards(match.jobs, shard_bytes))

@@ -23,10 +23,11 @@ from ..io.partial import output_problems
 from ..io.writer import parse_size
 from ..methods import MethodSpec, get_method, validate
 from . import budget
-from .blocks import device_type
+from .blocks import DEFAULT_BLOCK, device_type
 from .budget import MemoryEstimate, check_memory, estimate_memory
 from .fast import compute_threads
 from .match import Match, match_models
+from .route import Route, route
 
 OUT_DTYPES = (BF16, F16, F32)  # what --dtype may ask for
 
@@ -76,6 +77,7 @@ class Preflight:
     agents: list[Checkpoint | None] = field(default_factory=list)
     extras: list[Checkpoint | None] = field(default_factory=list)
     match: Match | None = None
+    route: Route | None = None
     memory: MemoryEstimate | None = None
     available: int | None = None
     problems: list[RLMergeError] = field(default_factory=list)
@@ -123,21 +125,34 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
                                    file=str(pf.base.side_dir),
                                    hint="copy the base model's config.json into that folder"))
     here = [a for a in pf.agents if a is not None]
-    pf.memory = estimate_memory(pf.base, [*here, *(x for x in pf.extras if x)], pf.block_size or 1 << 22,
-                                n_agents=len(agents) + len(extra_specs))
-    pf.available = budget.available_memory() if available is None else available
-    try:
-        check_memory(pf.memory, len(agents), pf.available)
-    except RLMergeError as e:
-        problems.append(e)
     # Agents that could not be opened are left out, so the others are still matched against the base.
     try:
         pf.match = match_models(pf.base, here, dtype=pf.out_dtype, allow_missing=allow_missing,
-                             count_tied_twice=count_tied_twice)
+                                count_tied_twice=count_tied_twice)
         if all(pf.extras):
             check_side_inputs(pf.match, pf.extras)  # type: ignore[arg-type]
     except RLMergeError as e:
         problems += [x for x in flat(e) if here or "no agents given" not in x.message]
+    block = pf.block_size or DEFAULT_BLOCK
+    n_mem = len(agents) + len(extra_specs)
+    configured = pf.spec is not None and pf.params is not None and not any(
+        isinstance(x, ConfigError) for x in problems)
+    if pf.match is not None and configured:
+        try:
+            pf.route = route(pf.match, pf.spec, pf.params, device=device, block_size=block,  # type: ignore[arg-type]
+                             extras=[x for x in pf.extras if x], agents=len(agents))
+        except RLMergeError as e:
+            problems += flat(e)
+    pf.memory = pf.route.memory if pf.route is not None else estimate_memory(
+        pf.base, [*here, *(x for x in pf.extras if x)], block, n_agents=n_mem)
+    pf.available = budget.available_memory() if available is None else available
+    try:
+        check_memory(pf.memory, len(agents), pf.available,
+                     fits=None if pf.route is None else lambda b: route(  # type: ignore[arg-type]
+                         pf.match, pf.spec, pf.params, device=device, block_size=b,
+                         extras=[x for x in pf.extras if x], agents=len(agents)).memory.total)
+    except RLMergeError as e:
+        problems.append(e)
     return pf
 
 

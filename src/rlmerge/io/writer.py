@@ -13,10 +13,13 @@ import errno
 import functools
 import json
 import os
+import queue
 import re
 import sys
+import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -135,17 +138,62 @@ def shard_header(shard: Shard, metadata: dict[str, str]) -> bytes:
     return len(body).to_bytes(8, "little") + body
 
 
+class WriteQueue:
+    """Calls run in submission order on one daemon thread.
+
+    A daemon thread and a bounded wait on abort: an interrupted merge (Ctrl-C, SIGTERM) must neither wait
+    for nor be kept alive by a write stuck on a slow disk; the interrupted output is partial anyway.
+    """
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._abort = False
+        self._thread = threading.Thread(target=self._loop, name="rlmerge-write", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def _loop(self) -> None:
+        failed: BaseException | None = None  # after a failed call, the later ones fail with its error
+        while (item := self._q.get()) is not None:
+            fut, fn, args = item
+            if self._abort:
+                fut.cancel()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            if failed is not None:
+                fut.set_exception(failed)
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                failed = e
+                fut.set_exception(e)
+
+    def close(self, *, abort: bool) -> None:
+        self._abort = abort
+        self._q.put(None)
+        self._thread.join(timeout=5.0 if abort else None)
+
+
 class CheckpointWriter:
     """Streams shards into a claimed ``PartialDir`` and publishes it onto the output at the end.
 
     Each shard's CRC-32 is computed as it streams out; once complete it is fsynced and recorded in the partial
     folder's progress file, which is what ``--resume`` verifies. ``pending(jobs)`` is the jobs still to
     write: all of them, or those after the shards a resumed run kept.
+
+    Tensors are written in job order: ``start(job)`` then its bytes, with ``write_now`` (a buffer the caller
+    reuses next) or ``write_later`` (a buffer left untouched until the returned future is done). With
+    ``background=True`` the writes run on one writer thread, so computing does not wait on the disk.
     """
 
     def __init__(self, partial: PartialDir, jobs: Sequence[Job], *, shard_size: int = DEFAULT_SHARD_SIZE,
                  metadata: dict[str, str] | None = None, fingerprint: str = "", fsync: bool = True,
-                 identity: list[list[Any]] | None = None) -> None:
+                 identity: list[list[Any]] | None = None, background: bool = False) -> None:
         self.partial = partial
         self.fsync = fsync  # False: the OS writes the shards back when it likes (see merge(fsync=))
         self.output = partial.output
@@ -163,6 +211,9 @@ class CheckpointWriter:
         self._written = 0  # bytes of the current shard written so far …
         self._flushed = 0  # … and of those, handed to the disk (writeback started)
         self._remaining = 0  # bytes still owed to the current tensor
+        self._background = background
+        self._queue: WriteQueue | None = None
+        self._last: Future[Any] | None = None
 
     def __enter__(self) -> CheckpointWriter:
         kept = self.partial.start(self.fingerprint, [s.filename for s in self.shards], self.identity)
@@ -175,9 +226,14 @@ class CheckpointWriter:
                     _reserve(fh.fileno(), len(shard_header(shard, self.metadata)) + shard.nbytes)
             except OSError as e:
                 raise disk_error(e, path) from e
+        if self._background:
+            self._queue = WriteQueue()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._queue is not None:  # an interrupted merge drops the queued writes: its output is partial anyway
+            self._queue.close(abort=exc_type is not None)
+            self._queue = None
         if self._fh is not None:
             self._fh.close()
             self._fh = None
@@ -186,6 +242,34 @@ class CheckpointWriter:
         """The jobs not yet written (a resumed run skips the shards it kept), in job order."""
         done = set(self._order[:self._next])
         return [j for j in jobs if j.name not in done]
+
+    # -- in job order, on the writer thread when there is one ------------------------------------------
+    def start(self, job: Job) -> None:
+        """The next tensor begins (queued behind the writes before it)."""
+        if self._queue is None:
+            self.begin(job)
+        else:
+            self._last = self._queue.submit(self.begin, job)
+
+    def write_now(self, data: memoryview) -> None:
+        """Write bytes whose buffer the caller reuses next: everything queued goes first."""
+        self.drain()
+        self.write(data)
+
+    def write_later(self, data: memoryview) -> Future[Any]:
+        """Queue bytes whose buffer stays untouched until the returned future is done."""
+        if self._queue is None:
+            fut: Future[Any] = Future()
+            self.write(data)
+            fut.set_result(None)
+            return fut
+        self._last = self._queue.submit(self.write, data)
+        return self._last
+
+    def drain(self) -> None:
+        """Wait for every queued write (and raise its error, if any)."""
+        if self._last is not None:
+            self._last.result()
 
     # -- tensor data, in job order --------------------------------------------------------------------
     def begin(self, job: Job) -> None:
@@ -260,6 +344,7 @@ class CheckpointWriter:
 
     def finish(self, manifest: dict[str, Any]) -> Path:
         """Close the last shard, write the index, and publish with ``rlmerge.json`` = ``manifest`` + file list."""
+        self.drain()
         if self._next != len(self._order) or self._remaining:
             raise RuntimeError("not every tensor was written")
         self._close_shard()

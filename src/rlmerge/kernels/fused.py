@@ -1,35 +1,29 @@
-"""The fused block kernel of kernels.py, compiled per number of agents (numba; imported on first use).
+"""The fused block kernel: a method's elementwise rule (methods/rule.py), compiled per number of agents (numba).
 
-One loop over the elements of a tile does everything the torch path does in a dozen whole-block operations:
-decode the stored bits, τ_t = θ_t − θ₀, the mask |τ_t| > ε, the merge rule, the rounding to the output dtype,
-and (``hist``/``gram`` given) the statistics' pattern code. The agents arrive as a tuple of arrays, so the
-number of agents N is part of the argument types: the loop body is generated for that N with the agents
-unrolled (``_source``), and every value of an element stays in a register, where a loop over agents of
-unknown length would keep the compiler from vectorising across elements (measured on the benchmark machine:
-2.9 ns per element against 26 ns for the same rule with an agent loop). numba caches each (N, mode, dtypes)
-specialisation on disk.
-
-Every float32 operation is the torch kernel's, in the same order, with no fast-math, so the bytes written are
-the torch path's. Only the statistics' Gram matrix is reassociated: float32 sums over a tile of products,
-added to float64 sums (relative error ~1e-7; the counts are exact). A tile whose float32 sum of squares is
-not finite is recomputed in float64, which is also where a non-finite τ is detected.
+One loop over a tile decodes the stored bits, computes τ_t, runs the rule's operations with the agents unrolled
+(so it vectorises), rounds to the output dtype and (``hist``/``gram`` given) adds the statistics. Each program is
+compiled per dtypes and cached on disk under its content's key (``Program.key``): a changed rule is a new kernel,
+never a stale one. Only the statistics' Gram sums are reassociated (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
+from numba import literally, njit, types
 from numba.extending import overload
 
-from .codec import _f32_as_u32, _u32_as_f32
-from .layout import MODE_LINEAR, MODE_RAM, MODE_RAMPLUS, MODE_STATS, MODE_STOCK, MODE_TA, TILE
+from ..methods.rule import BINARY, Program
+from .codec import _f32_as_u32, _u32_as_f32, put_lines
+from .layout import TILE
+
+PROGRAMS: dict[int, Program] = {}  # Program.key → program, registered before its kernel is called
+STATS_ONLY = 0  # the key of "no rule": the statistics pass's kernel
 
 _BODY = '''
-def tile(base, agents, lo, m, eps, lam, w, normalize, div, scaling, out, tau, code, mode):
+def tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, key):
     zero = np.float32(0.0)
-    one = np.float32(1.0)
-    two = np.float32(2.0)
 {unpack}
+{hoisted}
     for j in range(m):
         i = lo + j
         b = {dec_base}
@@ -45,77 +39,79 @@ _CODES = '''
 '''
 # Decoding and rounding are written into the loop's source rather than called: a call (or numba's IR
 # inlining of one) keeps the loop from vectorising, or worse (miscompiled selects were seen with
-# inline="always").
+# inline="always"). The rounding's text is codec.PUT_SOURCE, which the other kernels' _put is compiled from.
 _DECODE = {"uint16": "_u32_as_f32(np.uint32({x}) << np.uint32(16))",  # bfloat16: the high half of a float32
            "float32": "{x}"}
-_PUT = {  # float32 → the output dtype, as torch's .to(); one store of a select, never a branch
-    "uint16": "        u = _f32_as_u32({v})\n"  # bfloat16: round to nearest, ties to even; NaN → 0x7FC0 (torch's)
-              "        r = np.uint16((u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF))"
-              " >> np.uint32(16))\n"
-              "        out[i] = np.uint16(0x7FC0) if {v} != {v} else r",
-    "float32": "        out[i] = {v}",
-}
+_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/", "gt": ">", "ge": ">=", "lt": "<", "le": "<=",
+           "eq": "==", "ne": "!=", "and": "&", "or": "|"}
 
 
-def _source(n: int, mode: int, collect: bool, base: str = "uint16", agent: str = "uint16",
-            out: str = "uint16") -> str:
-    """Python source of the tile loop for ``n`` agents (see _BODY); dtypes are the stored numpy names."""
-    unpack = [f"    a{t} = agents[{t}]\n    l{t} = lam[{t}]\n    w{t} = w[{t}]" for t in range(n)]
-    ram = mode in (MODE_RAM, MODE_RAMPLUS)
-    lines = ["        c = zero", "        total = zero", "        uniq = zero"] if ram else []
-    for t in range(n):
-        lines.append(f"        x{t} = {_DECODE[agent].format(x=f'a{t}[i]')} - b")
-        if collect:
-            lines.append(f"        tau[{t}, j] = x{t}")
-        if ram:  # agent order, as ram_kernel; +0 for an inactive agent changes no sum that has a nonzero term
-            lines.append(f"        k{t} = abs(x{t}) > eps")
-            lines.append(f"        c += one if k{t} else zero")
-            lines.append(f"        total += x{t} if k{t} else zero")
-            if mode == MODE_RAMPLUS:
-                lines.append(f"        uniq += x{t} * l{t} if k{t} else zero")
-        elif mode == MODE_TA:
-            lines.append(f"        total {'=' if t == 0 else '+='} x{t} * w{t}")
-        elif mode == MODE_LINEAR:
-            lines.append(f"        total {'=' if t == 0 else '+='} (b + x{t}) * w{t}")
-        elif mode == MODE_STOCK:  # Σ_t θ_t in agent order, as model_stock's merge
-            lines.append(f"        total {'=' if t == 0 else '+='} b + x{t}")
-    put = _PUT[out].format(v="v")
-    rule = {
-        MODE_STATS: "",
-        MODE_RAM: "        mean = total / (c if c > one else one)\n"
-                  "        v = b + (mean if c >= two else total)\n"
-                  "        v = b if c == zero else v\n" + put,
-        MODE_RAMPLUS: "        mean = total / (c if c > one else one)\n"
-                      "        v = b + (mean if c >= two else uniq)\n"  # the single active agent's τ × λ
-                      "        v = b if c == zero else v\n" + put,
-        # div is 1 when not normalising: x / 1 is x exactly, and a branch here stops the loop vectorising
-        MODE_TA: "        v = b + (total / div) * scaling\n" + put,
-        MODE_LINEAR: "        v = total / div\n" + put,
-        # scaling = the tensor's t, div = N: t · mean_t θ_t + (1 − t) · θ₀
-        MODE_STOCK: "        v = scaling * (total / div) + (one - scaling) * b\n" + put,
-    }[mode]
+def _program_lines(p: Program) -> tuple[list[str], list[str], str]:
+    """(lines before the loop, lines in it, the merged value's variable): one line per program operation."""
+    hoisted, body, names = [], [], []
+    for i, op in enumerate(p.ops):
+        v = f"v{i}"
+        args = [names[j] for j in op.args] if op.name not in ("base", "tau", "lit", "const", "agent") else []
+        if op.name == "base":
+            v = "b"
+        elif op.name == "tau":
+            v = f"x{op.args[0]}"
+        elif op.name == "lit":
+            hoisted.append(f"    {v} = np.float32({op.args[0]!r})")
+        elif op.name == "const":
+            hoisted.append(f"    {v} = consts[{p.consts.index(op.args[0])}]")
+        elif op.name == "agent":
+            hoisted.append(f"    {v} = agent_consts[{p.agent_consts.index(op.args[0])}, {op.args[1]}]")
+        elif op.name in BINARY:
+            body.append(f"        {v} = {args[0]} {_SYMBOL[op.name]} {args[1]}")
+        elif op.name == "neg":
+            body.append(f"        {v} = -{args[0]}")
+        elif op.name == "not":
+            body.append(f"        {v} = not {args[0]}")
+        elif op.name == "abs":
+            body.append(f"        {v} = abs({args[0]})")
+        elif op.name == "where":  # a select, not a branch: both sides are computed
+            body.append(f"        {v} = {args[1]} if {args[0]} else {args[2]}")
+        else:
+            raise ValueError(f"no numba form for the rule operation {op.name!r}")
+        names.append(v)
+    return hoisted, body, names[p.out]
+
+
+def source(n: int, key: int, collect: bool, base: str = "uint16", agent: str = "uint16", out: str = "uint16") -> str:
+    """Python source of the tile loop for ``n`` agents running program ``key`` (STATS_ONLY: none); dtypes are
+    the stored numpy names."""
+    unpack = [f"    a{t} = agents[{t}]" for t in range(n)]
+    lines = [f"        x{t} = {_DECODE[agent].format(x=f'a{t}[i]')} - b" for t in range(n)]
+    if collect:
+        lines += [f"        tau[{t}, j] = x{t}" for t in range(n)]
+    hoisted: list[str] = []
+    rule = ""
+    if key != STATS_ONLY:
+        hoisted, body, result = _program_lines(PROGRAMS[key])
+        rule = "\n".join([*body, put_lines(out, result, "        ")])
     codes = ""
     if collect:  # bit t: agent t changed the element (|τ| > ε); bit N + t: that change is negative
         codes = _CODES.format(lines="\n".join(
             f"        x = tau[{t}, j]\n"
             f"        cd += (np.float32({1 << t}) + (np.float32({1 << (n + t)}) if x < zero else zero))"
             f" if abs(x) > eps else zero" for t in range(n)))
-    return _BODY.format(unpack="\n".join(unpack), dec_base=_DECODE[base].format(x="base[i]"),
-                        agents="\n".join(lines), rule=rule, codes=codes)
+    return _BODY.format(unpack="\n".join(unpack), hoisted="\n".join(hoisted), agents="\n".join(lines), rule=rule,
+                        dec_base=_DECODE[base].format(x="base[i]"), codes=codes)
 
 
-def _tile(base, agents, lo, m, eps, lam, w, normalize, div, scaling, out, tau, code, mode):  # type: ignore[no-untyped-def]
+def _tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, key):  # type: ignore[no-untyped-def]
     raise NotImplementedError
 
 
 @overload(_tile)
-def _tile_ov(base, agents, lo, m, eps, lam, w, normalize, div, scaling, out, tau, code, mode):  # type: ignore[no-untyped-def]
-    if not isinstance(mode, types.IntegerLiteral) or not isinstance(agents, types.UniTuple):
+def _tile_ov(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, key):  # type: ignore[no-untyped-def]
+    if not isinstance(key, types.IntegerLiteral) or not isinstance(agents, types.UniTuple):
         return None
     collect = not isinstance(tau, types.NoneType)
-    src = _source(agents.count, mode.literal_value, collect, str(base.dtype), str(agents.dtype.dtype), str(out.dtype))
+    src = source(agents.count, key.literal_value, collect, str(base.dtype), str(agents.dtype.dtype), str(out.dtype))
     scope = {"np": np, "_u32_as_f32": _u32_as_f32, "_f32_as_u32": _f32_as_u32}
-    exec(src, scope)  # noqa: S102 source built above from constants
+    exec(src, scope)  # noqa: S102 source built above from a traced program
     return scope["tile"]
 
 
@@ -175,7 +171,7 @@ def _hist(code, m, hist):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True)
-def _range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact, mode):  # type: ignore[no-untyped-def]
+def _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, key):  # type: ignore[no-untyped-def]
     """Elements [lo, hi) tile by tile; statistics into ``hist``/``gram`` unless they are None (compiled out).
     ``exact``: the Gram matrix from float64 products (a method's input, not only the report's)."""
     n_agents = len(agents)
@@ -184,14 +180,14 @@ def _range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist
         for start in range(lo, hi, TILE):
             m = np.uint64(min(TILE, hi - start))
             # unsigned offsets: indexing then needs no negative-index wraparound, and the loop vectorises
-            _tile(base, agents, np.uint64(start), m, eps, lam, w, normalize, div, scaling, out, None, None, mode)
+            _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, None, None, eps, key)
         return bad
     tau = np.empty((n_agents, TILE), dtype=np.float32)
     code = np.empty(TILE, dtype=np.float32)
     gram_t = np.zeros((n_agents, n_agents), dtype=np.float64)
     for start in range(lo, hi, TILE):
         m = np.uint64(min(TILE, hi - start))
-        _tile(base, agents, np.uint64(start), m, eps, lam, w, normalize, div, scaling, out, tau, code, mode)
+        _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, tau, code, eps, key)
         _hist(code, m, hist)
         gram_t[:] = 0.0
         if exact:
@@ -203,36 +199,7 @@ def _range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist
     return bad
 
 
-# One entry point per merge rule (the rule is compiled in); see kernels.fused_range for the arguments.
 @njit(nogil=True, cache=True)
-def stats_range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact):  # type: ignore[no-untyped-def]
-    return _range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact, MODE_STATS)
-
-
-@njit(nogil=True, cache=True)
-def ram_range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact):  # type: ignore[no-untyped-def]
-    return _range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact, MODE_RAM)
-
-
-@njit(nogil=True, cache=True)
-def ramplus_range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact):  # type: ignore[no-untyped-def]
-    return _range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact, MODE_RAMPLUS)
-
-
-@njit(nogil=True, cache=True)
-def ta_range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact):  # type: ignore[no-untyped-def]
-    return _range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact, MODE_TA)
-
-
-@njit(nogil=True, cache=True)
-def linear_range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact):  # type: ignore[no-untyped-def]
-    return _range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact, MODE_LINEAR)
-
-
-@njit(nogil=True, cache=True)
-def stock_range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact):  # type: ignore[no-untyped-def]
-    return _range(base, agents, lo, hi, eps, lam, w, normalize, div, scaling, out, hist, gram, exact, MODE_STOCK)
-
-
-RANGES = {MODE_STATS: stats_range, MODE_RAM: ram_range, MODE_RAMPLUS: ramplus_range, MODE_TA: ta_range,
-          MODE_LINEAR: linear_range, MODE_STOCK: stock_range}
+def fused_range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, key):  # type: ignore[no-untyped-def]
+    """Elements [lo, hi) of one block through program ``key`` (compiled in: one specialisation per key)."""
+    return _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, literally(key))

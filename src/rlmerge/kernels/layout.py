@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-MODE_STATS, MODE_RAM, MODE_TA, MODE_LINEAR, MODE_RAMPLUS, MODE_STOCK = 0, 1, 2, 3, 4, 5
 MAX_AGENTS = 8  # 4^N histogram bins per thread: 65536 at N = 8
 TILE = 1024  # elements per tile: the scratch of one tile stays in L1/L2
 SUBHISTS = 8  # sub-histograms per thread for the pattern codes (1 when 4^N bins would not stay in cache)

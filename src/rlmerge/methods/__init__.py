@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 from ..errors import ConfigError
-from . import fisher, gta, model_stock, ram, slerp, task_arithmetic
+from . import arm_ties, fisher, gta, model_stock, ram, slerp, task_arithmetic
 from .spec import BlockContext, MethodSpec, Scope, validate
 
 
 def _registry() -> dict[str, MethodSpec]:
-    specs = [*ram.METHODS, *task_arithmetic.METHODS, *gta.METHODS, *slerp.METHODS, *model_stock.METHODS,
-             *fisher.METHODS]
+    specs = [*ram.METHODS, *arm_ties.METHODS, *task_arithmetic.METHODS, *gta.METHODS, *slerp.METHODS,
+             *model_stock.METHODS, *fisher.METHODS]
     return {s.name: s for s in specs}
 
 

@@ -17,6 +17,7 @@ from .._torch import torch
 from ..errors import ConfigError, RLMergeError
 from ..params import parse_params
 from ..stats import Statistics, TensorStats
+from .rule import Program, Rule, program, torch_eval
 
 Scope = Literal["elementwise", "global", "tensor-local"]
 
@@ -36,17 +37,33 @@ class BlockContext:
     extra: torch.Tensor | None = None  # [N, n] float32 side inputs of the block (e.g. Fisher), if any
 
 
+Constants = Mapping[str, Any]  # name → a number, or one number per agent (what a rule reads as t.const / t.agent)
+
+
 @dataclass(frozen=True)
 class MethodSpec:
+    """One merge method, declared once: every backend reads this declaration, none compares its name.
+
+    An elementwise method gives ``rule`` (methods/rule.py) and ``constants``, the per-tensor numbers the rule reads,
+    from the parameters, what ``prepare`` made of the whole-model statistics, the tensor's statistics, N and the
+    tensor's name. The
+    torch reference and the numba kernels both run that one rule. A method the rule language cannot say (slerp,
+    fisher, model_stock per row, the sparsify family's pruning) gives ``merge``, a torch block function.
+    """
+
     name: str
     summary: str
     paper: str  # arXiv id or citation
     scope: Scope
     params: type  # frozen dataclass; field defaults are the paper's
-    merge: Callable[[torch.Tensor, torch.Tensor, Any, BlockContext], torch.Tensor]
+    merge: Callable[[torch.Tensor, torch.Tensor, Any, BlockContext], torch.Tensor] | None = None
+    rule: Rule | None = None
+    constants: Callable[[Any, Any, TensorStats | None, int, str], Constants] | None = None
+    elementwise: Callable[[Any], bool] = lambda p: True  # whether ``rule`` covers these parameters
     needs_stats: Callable[[Any], bool] = lambda p: False
     prepare: Callable[[Any, Statistics | None, int], Any] = lambda p, s, n: None
     epsilon: Callable[[Any], float] = lambda p: getattr(p, "epsilon", 1e-5)
+    exact_gram: bool = False  # the Gram matrix feeds the merge (model_stock): float64 products on every path
     # Optional: an object fed every block of the statistics pass (``observe(ctx, base, deltas)``); after each
     # tensor and after the whole model, ``again(name | None)`` may ask for that range to be streamed once more
     # (exact order statistics need a second look). prepare() finds it as ``stats.observed``.
@@ -56,10 +73,31 @@ class MethodSpec:
     extra_inputs: Callable[[Any], tuple[str, ...] | None] = lambda p: None
     # What the parameters ask of the number of agents N beyond per-agent lengths (``validate``); raises ConfigError.
     check: Callable[[Any, int], None] = lambda p, n: None
+    sparsify: Any = None  # the sparsify family's preset (methods/gta.Preset): pruning, sign election, mean
 
     def parse(self, values: Mapping[str, Any] | None) -> Any:
         """Build the parameter dataclass from loose values (CLI, YAML); all problems at once."""
         return parse_params(self.params, values or {}, where=f"method {self.name!r}")
+
+    def program(self, p: Any, n: int) -> Program | None:
+        """The traced elementwise rule for these parameters and N agents, or None (no rule covers them)."""
+        if self.rule is None or not self.elementwise(p):
+            return None
+        return program(self.rule, p, n)
+
+    def values(self, p: Any, prepared: Any, ts: TensorStats | None, n: int, name: str) -> Constants:
+        """The rule's constants for tensor ``name``."""
+        assert self.constants is not None  # a declaration with a rule gives its constants
+        return self.constants(p, prepared, ts, n, name)
+
+    def merge_block(self, base: torch.Tensor, deltas: torch.Tensor, p: Any, ctx: BlockContext) -> torch.Tensor:
+        """The torch reference: base [n], deltas [N, n] float32 → merged weights [n] float32."""
+        prog = self.program(p, deltas.shape[0])
+        if prog is not None:
+            return torch_eval(prog, base, deltas, self.values(p, ctx.prepared, ctx.tensor_stats, deltas.shape[0],
+                                                              ctx.name))
+        assert self.merge is not None, f"method {self.name!r} declares neither a rule nor a merge"
+        return self.merge(base, deltas, p, ctx)
 
 
 def validate(spec: MethodSpec, params: Any, n: int) -> list[RLMergeError]:

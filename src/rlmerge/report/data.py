@@ -86,10 +86,10 @@ def layer_index(name: str) -> int | None:
 
 
 def num(x: float | None) -> float | str | None:
-    """JSON has no infinity: ∞ is written as the string "inf"."""
-    if x is None:
+    """A number for JSON, which has no infinity and no NaN: ±∞ are written "inf" / "-inf", NaN as null."""
+    if x is None or math.isnan(x):
         return None
-    return "inf" if math.isinf(x) else float(x)
+    return ("inf" if x > 0 else "-inf") if math.isinf(x) else float(x)
 
 
 def _g(x: float) -> float:

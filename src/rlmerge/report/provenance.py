@@ -7,21 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..io.checkpoint import Checkpoint
+from .data import num
 
 if TYPE_CHECKING:
     from ..engine.match import Match
     from ..engine.merge import MergeResult
-
-
-def _num(x: float) -> float | str:
-    """JSON has no infinity: ∞ is written as the string "inf"."""
-    return "inf" if math.isinf(x) else float(x)
 
 
 def _files(ckpt: Checkpoint) -> list[dict[str, Any]]:
@@ -52,7 +47,7 @@ def agent_rows(result: MergeResult) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"agent": label}
         if stats.tensors:
             row.update(changed=int(stats.changed[t]), shared=int(stats.shared[t]), unique=int(stats.unique[t]),
-                       density=float(stats.changed[t]) / numel, rho=_num(stats.rho[t]))
+                       density=float(stats.changed[t]) / numel, rho=num(stats.rho[t]))
         if result.lambdas is not None:
             row["lambda"] = float(result.lambdas[t])
         rows.append(row)
