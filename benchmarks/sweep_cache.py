@@ -54,7 +54,9 @@ def timed(args: list[str]) -> tuple[dict, float, float]:
     parts = [float(x) for x in wall.split(":")]
     seconds = sum(p * 60 ** i for i, p in enumerate(reversed(parts)))
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.stderr).group(1)) / 2**20
-    return json.loads(out.stdout.strip().splitlines()[-1]), seconds, rss
+    text = out.stdout.strip()
+    doc = json.loads(text[text.index("{"):])  # `rlmerge merge --json` prints one indented object; the sweep, one line
+    return doc, seconds, rss
 
 
 def candidates(grid: str) -> list[dict[str, str]]:
