@@ -89,6 +89,22 @@ def _cancel(pending: Mapping[Any, int]) -> None:
         ray.cancel(ref, force=True)
 
 
+FAULT_ENV = "RLMERGE_RAY_TEST_KILL"  # tests only: see _fault_point
+
+
+def _fault_point() -> None:
+    """Fault injection for tests/test_distributed.py: when the file named by $RLMERGE_RAY_TEST_KILL exists, the
+    worker removes it and dies at once (``os._exit``), as a killed worker would: its shards written, none reported.
+    Unset (always, outside those tests), this does nothing."""
+    path = os.environ.get(FAULT_ENV)
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        os._exit(1)
+
+
 # -- a sweep's candidates ---------------------------------------------------------------------------------------
 @ray.remote
 def _candidate_task(ctx: Context, c: Candidate, scorer: Scorer | None, cache: StatsCache) -> Scored:
@@ -187,6 +203,7 @@ def _merge_task(req: _Request, shard_ids: list[int], expected: list[str], prepar
             with Progress(quiet=True) as progress, writer:
                 merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=collect)
                 writer.complete()
+            _fault_point()
         finally:
             if fast is not None and fast.fast is not None:
                 fast.fast.close()
