@@ -99,6 +99,7 @@ def test_sweep_ranks_scores_keeps_and_its_kept_checkpoints_are_plain_merges(exam
     for s in res.scored:
         assert f"`{s.candidate.label}`" in report
     assert "Pareto" in report and "average" in report
+    assert (tmp_path / "sweep" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_candidate_built_on_disk_scores_what_it_scores_in_memory(example, tmp_path: Path) -> None:
