@@ -186,3 +186,22 @@ def test_cli_sweep_on_lab_agents_scores_with_the_labs_own_scorer(lab_agents, tmp
         want = 100.0 * score_examples(model, tok, make_split(make_family(fam), "val", 3, 0))
         assert best["scores"][f"lab:{fam}"] == pytest.approx(want, abs=1e-9)
     assert (out / "report.md").is_file()
+
+
+def test_cli_recipe_and_a_resume_with_nothing_left(example, tmp_path: Path, capsys) -> None:
+    from rlmerge.cli import main
+
+    base, agents = example
+    recipe = tmp_path / "sweep.yaml"
+    recipe.write_text(f"base_model: {base}\nmodels:\n  - model: {agents[0]}\n  - model: {agents[1]}\n"
+                      "candidates:\n  - ram+ r=0.1,0.2\n  - method: ties\n"
+                      "    parameters: {density: [0.2, 0.4], scaling: 1.0}\nkeep: 1\n")
+    out = tmp_path / "out"
+    assert main(["sweep", "--recipe", str(recipe), "-o", str(out), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert len(first["ranking"]) == 4 and first["statistics_passes"] == 1 and first["merge_passes"] == 4
+    report = (out / "report.md").read_bytes()
+    assert main(["sweep", "--recipe", str(recipe), "-o", str(out), "--resume", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["ranking"] == first["ranking"] and (out / "report.md").read_bytes() == report
+    assert main(["sweep", "--recipe", str(recipe), "-o", str(out), "--json"]) == 4  # neither --resume nor --force

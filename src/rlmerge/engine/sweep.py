@@ -33,7 +33,7 @@ from ..report.sweep import pareto, render_report
 from .blocks import DEFAULT_BLOCK, device_type
 from .build import Built, Context, Memory, Scored, Scorer, build_and_score
 from .cache import StatsCache, inputs_key
-from .candidates import Candidate, parse_all
+from .candidates import Candidate, check, parse_all
 from .merge import check_copies, merge
 from .preflight import Preflight, flat, preflight
 
@@ -76,8 +76,9 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     ``results.json`` and checked by ``resume``. ``on_result`` is called with each candidate as it is scored.
     """
     t0 = time.perf_counter()
-    cands = parse_all([c for c in candidates if not isinstance(c, Candidate)], seed=seed)
-    cands = [*(c for c in candidates if isinstance(c, Candidate)), *cands]
+    grids = [c for c in candidates if not isinstance(c, Candidate)]  # a recipe's candidates come parsed
+    cands = check([*(c for c in candidates if isinstance(c, Candidate)),
+                   *(parse_all(grids, seed=seed) if grids else [])])
     problems: list[RLMergeError] = []
     if keep < 0 or (keep and output is None):
         problems.append(ConfigError(f"keep = {keep}: the best candidates are kept only in a sweep folder (-o)"
@@ -119,6 +120,7 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
                 for c in todo:
                     record(build_and_score(ctx, c, scorer, cache))
             ordered = [scored[c.id] for c in cands]
+            doc["candidates"] = [s.to_json() for s in ordered]  # also when --resume found all done
             result = _summary(ordered, doc, output=folder.path if folder is not None else None)
             if folder is not None:
                 result.kept = _keep(folder, ctx, result, doc, cache, keep, quiet=quiet)
