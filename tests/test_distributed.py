@@ -99,3 +99,14 @@ def test_a_sweep_on_ray_scores_what_it_scores_locally(cluster, example, tmp_path
     assert on_ray.statistics_passes <= 1  # RAM+'s counts: counted once on the driver, shipped to the tasks
     assert [s.candidate.id for s in on_ray.ranking] == [s.candidate.id for s in local.ranking]
     same_folder(local.kept[0], on_ray.kept[0], but=("rlmerge.json", "README.md"))  # provenance names its folder
+
+
+def test_cli_merge_backend_ray_writes_the_local_bytes(cluster, example, tmp_path: Path) -> None:
+    from rlmerge.cli import main
+
+    base, agents = example
+    args = [str(base), *map(str, agents), "--method", "ties", "--param", "density=0.3", "--shard-size", str(SHARD),
+            "-q"]
+    assert main(["merge", *args, "-o", str(tmp_path / "local")]) == 0
+    assert main(["merge", *args, "-o", str(tmp_path / "ray"), "--backend", "ray", "--workers", "2"]) == 0
+    same_folder(tmp_path / "local", tmp_path / "ray")

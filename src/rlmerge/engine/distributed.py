@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from ..errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
 from ..io.partial import PartialDir, input_identity
 from ..io.shardfiles import ShardFiles
@@ -44,6 +42,11 @@ from .passes import merge_pass
 from .preflight import Preflight, preflight
 from .progress import Progress
 from .route import Route, route
+
+try:
+    import ray
+except ImportError as e:  # the ``ray`` extra is not installed
+    raise ConfigError("the Ray backend needs Ray", hint="pip install 'rlmerge[ray]' (pinned: ray==2.60.0)") from e
 
 
 def init(address: str | None = None) -> None:
