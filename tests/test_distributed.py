@@ -4,7 +4,7 @@ Oracles: `rlmerge.merge` run locally. A merge split by output shard over Ray tas
 merge byte for byte, for any number of workers and any partition of the shards; a worker killed after writing its
 shards (before reporting them) is retried and the bytes are still the local merge's; with no retries left the
 merge fails cleanly and `resume=True` finishes it, again byte for byte. A sweep on Ray scores what it scores
-locally.
+locally, also when a candidate task's worker is killed.
 """
 
 from __future__ import annotations
@@ -98,6 +98,10 @@ def test_a_sweep_on_ray_scores_what_it_scores_locally(cluster, example, tmp_path
     assert [s.scores for s in on_ray.scored] == [s.scores for s in local.scored]
     assert on_ray.statistics_passes <= 1  # RAM+'s counts: counted once on the driver, shipped to the tasks
     assert [s.candidate.id for s in on_ray.ranking] == [s.candidate.id for s in local.ranking]
+    cluster.write_text("")  # a candidate task's worker dies after scoring, before reporting: the task is retried
+    retried = rlmerge.sweep(base, agents, candidates=grid, scorer=Norms(agents[0]), backend="ray", workers=2)
+    assert not cluster.exists()
+    assert [s.scores for s in retried.scored] == [s.scores for s in local.scored]
     same_folder(local.kept[0], on_ray.kept[0], but=("rlmerge.json", "README.md"))  # provenance names its folder
 
 

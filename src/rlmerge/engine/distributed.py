@@ -111,7 +111,9 @@ def _fault_point() -> None:
 # -- a sweep's candidates ---------------------------------------------------------------------------------------
 @ray.remote
 def _candidate_task(ctx: Context, c: Candidate, scorer: Scorer | None, cache: StatsCache) -> Scored:
-    return build_and_score(ctx, c, scorer, cache)
+    scored = build_and_score(ctx, c, scorer, cache)
+    _fault_point()
+    return scored
 
 
 def score_on_ray(ctx: Context, todo: Sequence[Candidate], scorer: Scorer | None, cache: StatsCache,
