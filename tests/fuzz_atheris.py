@@ -22,8 +22,8 @@ import torch
 import yaml  # noqa: F401
 
 with atheris.instrument_imports(include=["rlmerge"]):
-    from rlmerge.checkpoint import Checkpoint
     from rlmerge.errors import RLMergeError
+    from rlmerge.io.checkpoint import Checkpoint
     from rlmerge.methods import get_method
     from rlmerge.recipe import load_recipe
 

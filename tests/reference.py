@@ -41,6 +41,9 @@ def lam(preset: str, shared: int, unique: int, r: float = 0.1, alpha: float = 2.
         return 1 + r * (shared / (shared + unique) if shared + unique else 0.0)
     if preset == "official":
         return 1 + (max(big_r, 1.0) - 1) * min(1.0, rho)
+    if preset == "arm-r":  # the authors' earlier mode: shared / changed, clipped to [0, 1]
+        changed = shared + unique
+        return 1 + (max(big_r, 1.0) - 1) * min(max(shared / changed if changed else 0.0, 0.0), 1.0)
     raise ValueError(preset)
 
 
@@ -80,3 +83,36 @@ def ram_reference(base: Path, agents: list[Path], *, preset: str | None, eps: fl
             ls = [lam("tensor-local", s, u, **knobs) for s, u in zip(shared, unique)]
         out[name] = ram_tensor(bt, [a[name] for a in ags], eps, ls).to(out_dtype or bt.dtype)
     return out
+
+
+def arm_ties_tensor(b: torch.Tensor, ags: list[torch.Tensor], eps: float, mask_rate: float,
+                    scaling: float) -> torch.Tensor:
+    """The authors' arm-ties on one tensor, as ram-method.md writes it (float32, agent order)."""
+    base = b.float().reshape(-1)
+    taus = [a.float().reshape(-1) - base for a in ags]
+    active = [t.abs() > eps for t in taus]
+    c = sum(m.long() for m in active)
+    v = [torch.where(m, t, torch.zeros_like(t)) for t, m in zip(taus, active)]
+    shared = c >= 2
+    d = int(shared.sum())
+    k = math.floor(mask_rate * d)
+    thr = [torch.sort(x[shared].abs()).values[k - 1] if k > 0 else torch.tensor(0.0) for x in v]
+    kept = [x.abs() >= t for x, t in zip(v, thr)]
+    zero = torch.zeros_like(base)
+    pos, neg = zero.clone(), zero.clone()
+    for x, kp in zip(v, kept):
+        pos = pos + torch.where(kp & (x > 0), x, zero)
+        neg = neg + torch.where(kp & (x < 0), -x, zero)
+    margin = pos - neg
+    agreed, count = zero.clone(), zero.clone()
+    for x, kp in zip(v, kept):
+        agree = kp & (((x > 0) & (margin > 0)) | ((x < 0) & (margin < 0)))
+        agreed = agreed + torch.where(agree, x, zero)
+        count = count + agree.float()
+    elected = torch.where(count > 0, agreed / torch.where(count > 0, count, torch.ones_like(count)), zero)
+    elected = elected * torch.tensor(scaling, dtype=torch.float32)
+    total = zero.clone()
+    for x in v:
+        total = total + x
+    merged = torch.where(shared, base + elected, base + total)
+    return torch.where(c == 0, base, merged).reshape(b.shape)

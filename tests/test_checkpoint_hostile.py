@@ -15,9 +15,9 @@ from safetensors.torch import save_file
 
 import rlmerge
 from conftest import assert_same_tensors, load_output
-from rlmerge.checkpoint import MAX_HEADER_BYTES, Checkpoint
 from rlmerge.cli import main
 from rlmerge.errors import InputError
+from rlmerge.io.checkpoint import MAX_HEADER_BYTES, Checkpoint
 
 SRC = Path(rlmerge.__file__).parent
 
@@ -241,7 +241,7 @@ def test_hub_downloads_never_fetch_code(tmp_path: Path, monkeypatch: pytest.Monk
 
     import huggingface_hub
 
-    from rlmerge.checkpoint import resolve
+    from rlmerge.io.open import resolve
 
     seen: dict = {}
 

@@ -213,7 +213,7 @@ def test_fsync_by_default_and_no_fsync_writes_the_same_files(example, tmp_path: 
     """Shards are flushed to disk (and their writeback started early) unless --no-fsync; the files are the same."""
     import os
 
-    from rlmerge import writer
+    from rlmerge.io import writer
 
     synced, started = [], []
     real_fsync = os.fsync

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import rlmerge
-from rlmerge import fastdare, kernels
+from rlmerge import kernels
+from rlmerge.engine import fast_random as fastdare
 from rlmerge.methods import _l1, _ops
 from rlmerge.methods._ops import chunk_seed, uniform
 from rlmerge.synthetic import Shape, make_example
@@ -69,7 +70,7 @@ def assert_fast_is_torch(base: Path, agents: list[Path], tmp: Path, monkeypatch:
 
 # -- the random numbers ------------------------------------------------------------------------------------
 def _mt_uniform(seed: int, n: int, skip: int = 0) -> np.ndarray:
-    from rlmerge import _numba_mt as mt
+    from rlmerge.kernels import mt as mt
 
     state = np.empty(mt.STATE, dtype=np.uint32)
     idx = mt.skip(state, mt.seed(state, np.uint32(seed & 0xFFFFFFFF)), skip)
@@ -153,7 +154,7 @@ def test_l1_sums_follow_the_documented_order(monkeypatch: pytest.MonkeyPatch) ->
     """LaneSum (torch path, whole chunks GROUP at a time) and the L1 kernel + fold (fast path) give the
     reference order's float64 sums, for any block size; magnitudes spread over 40 decades make every other
     order give other bits."""
-    from rlmerge._numba_dare import fold, l1_range
+    from rlmerge.kernels.dare import fold, l1_range
 
     assert _l1.CHUNK == _ops.RNG_CHUNK == CHUNK
     rng = np.random.default_rng(0)

@@ -17,7 +17,9 @@ from safetensors.torch import save_file
 
 import rlmerge
 from conftest import TINY
-from rlmerge import fastdare, fastpath, kernels
+from rlmerge import kernels
+from rlmerge.engine import fast as fastpath
+from rlmerge.engine import fast_random as fastdare
 from rlmerge.methods._ops import RNG_CHUNK, chunk_seed, row_ranks, uniform
 from rlmerge.synthetic import config, make_example
 from test_fastdare import WIDE, assert_fast_is_torch
@@ -29,7 +31,7 @@ pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not instal
 # -- the ranks and the keep probability ----------------------------------------------------------------------
 def _ranks(stored: torch.Tensor, base: torch.Tensor, row: int) -> np.ndarray:
     """_numba_della.rank_row over every row: integer ranks [n]."""
-    from rlmerge._numba_della import rank_row, scratch
+    from rlmerge.kernels.della import rank_row, scratch
 
     def raw(t: torch.Tensor) -> np.ndarray:
         return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
@@ -87,7 +89,7 @@ def test_rank_row_is_row_ranks(dtype: torch.dtype, row: int) -> None:
 
 def test_radix_fallback_sorts_stably() -> None:
     """The fallback of rank_row: a stable LSD radix sort of uint32 keys (many equal ones) with their positions."""
-    from rlmerge._numba_della import _radix
+    from rlmerge.kernels.della import _radix
 
     rng = np.random.default_rng(1)
     for n in (1, 2, 300, 5000):
@@ -102,7 +104,7 @@ def test_radix_fallback_sorts_stably() -> None:
 @pytest.mark.parametrize("row", [1, 2, 3, 896, 4864, 1 << 20])
 def test_probs_round_as_prune_block(row: int) -> None:
     """(density − ε) + (rank / (row − 1)) · 2ε in float32, in torch's order, for per-agent density and ε."""
-    from rlmerge._numba_della import probs
+    from rlmerge.kernels.della import probs
 
     dens = torch.tensor([[0.7], [0.31], [0.55]], dtype=torch.float32)
     eps = torch.tensor([[0.15], [0.3], [0.0123]], dtype=torch.float32)
@@ -281,6 +283,6 @@ def test_fast_della_merges_without_importing_torch(example, tmp_path: Path, args
 
 
 def test_chunk_constant_is_shared() -> None:
-    from rlmerge import _numba_dare
+    from rlmerge.kernels import dare as _numba_dare
 
     assert _numba_dare.CHUNK == RNG_CHUNK

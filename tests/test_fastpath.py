@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 import rlmerge
 from conftest import TINY, load_output
-from rlmerge import fastpath, kernels
+from rlmerge import kernels
+from rlmerge.engine import fast as fastpath
 from rlmerge.errors import InputError
 from rlmerge.stats import TensorStats
 from rlmerge.synthetic import config, make_example
@@ -259,8 +260,8 @@ def test_report_does_not_depend_on_block_size_or_threads(example, tmp_path: Path
 def test_a_file_that_shrinks_under_its_mapping_is_an_input_error(example) -> None:
     """The fast path reads mapped files; a file cut short after it was mapped is reported before its bytes are
     touched (touching them would be SIGBUS), naming the file and the tensor."""
-    from rlmerge.checkpoint import open_all
-    from rlmerge.mapping import Mapped
+    from rlmerge.io.mapping import Mapped
+    from rlmerge.io.open import open_all
 
     base, _ = example
     ckpt = open_all([base])[0]
@@ -298,8 +299,8 @@ def _mapped_rss(paths: set[str]) -> int:
 def test_released_blocks_leave_no_mapped_pages_behind(tmp_path: Path) -> None:
     """Each block's pages are handed back in whole folios: a fault maps a folio's every page, so a block's first
     fault would re-map the tail of the block before it, and 4 % of every input used to stay resident."""
-    from rlmerge.checkpoint import open_all
-    from rlmerge.plan import build_plan
+    from rlmerge.engine.match import match_models
+    from rlmerge.io.open import open_all
     from rlmerge.synthetic import Shape
 
     shape = Shape("qwen2", vocab=4096, hidden=256, layers=2, heads=4, kv_heads=2, intermediate=1024, tie=True)
@@ -308,7 +309,7 @@ def test_released_blocks_leave_no_mapped_pages_behind(tmp_path: Path) -> None:
     for m in models:  # into the page cache, read the way a first merge reads them
         for f in m.files:
             f.read_bytes()
-    plan = build_plan(models[0], models[1:])
+    plan = match_models(models[0], models[1:])
     fast = fastpath.FastPath(plan, 3000)  # blocks of 6 KB per file: ~1000 block boundaries per file
     files = {str(f) for m in models for f in m.files}
     total = 0

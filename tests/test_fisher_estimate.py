@@ -12,8 +12,8 @@ import reference_baselines as ref
 from conftest import TINY, load_output
 from reference import load_models
 from rlmerge.cli import main as cli_main
+from rlmerge.engine.fisher_estimate import read_examples
 from rlmerge.errors import InputError
-from rlmerge.fisher_estimate import read_examples
 from rlmerge.synthetic import make_example
 
 pytest.importorskip("transformers")

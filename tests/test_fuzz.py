@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from rlmerge.checkpoint import DTYPES, Checkpoint
+from rlmerge.engine.match import match_models
 from rlmerge.errors import ConfigError, RLMergeError
+from rlmerge.io.checkpoint import DTYPES, Checkpoint
 from rlmerge.methods import REGISTRY, get_method
-from rlmerge.plan import build_plan
 from rlmerge.recipe import load_recipe, parse_recipe
 
 settings.register_profile("ci", max_examples=150, deadline=None, derandomize=True,
@@ -71,7 +71,7 @@ def _open_and_read(data: bytes, extra: dict[str, str] | None = None) -> None:
                 ckpt.read_raw(info.name, 0, info.numel)
                 if info.is_float:
                     ckpt.read_f32(info.name, 0, info.numel, torch.empty(info.numel))
-            build_plan(ckpt, [ckpt])
+            match_models(ckpt, [ckpt])
         finally:
             ckpt.close()
     except RLMergeError:
@@ -133,7 +133,7 @@ def test_fuzz_bin_state(state: object) -> None:
             ckpt.read_raw(info.name, 0, info.numel)
             if info.is_float:
                 ckpt.read_f32(info.name, 0, info.numel, torch.empty(info.numel))
-        build_plan(ckpt, [ckpt])
+        match_models(ckpt, [ckpt])
     except RLMergeError:
         pass
 
@@ -229,7 +229,7 @@ def test_regressions_found_by_fuzzing() -> None:
     (binf / "pytorch_model.bin").unlink()
     save_file({}, str(binf / "model.safetensors"))
     with pytest.raises(RLMergeError, match="holds no tensors"):
-        build_plan(Checkpoint(binf), [Checkpoint(binf)])
+        match_models(Checkpoint(binf), [Checkpoint(binf)])
     # hypothesis: recipe keys of mixed types, config.json that is not an object, recipe bytes not UTF-8.
     with pytest.raises(ConfigError, match="unsupported key 1"):
         parse_recipe({"merge_method": "ram", "base_model": "b", "models": ["a"], 1: 2})

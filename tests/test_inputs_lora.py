@@ -18,11 +18,11 @@ import torch
 
 import rlmerge
 from conftest import TINY, load_output
-from rlmerge.checkpoint import open_all
-from rlmerge.dryrun import dry_run
+from rlmerge.engine.dryrun import dry_run
+from rlmerge.engine.fast import eligible
+from rlmerge.engine.match import match_models
 from rlmerge.errors import InputError, RLMergeError
-from rlmerge.fastpath import eligible
-from rlmerge.plan import build_plan
+from rlmerge.io.open import open_all
 from rlmerge.synthetic import make_example
 
 peft = pytest.importorskip("peft", reason="peft is in the lora extra (make setup installs it)")
@@ -72,7 +72,7 @@ def lora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path], li
 def test_delta_equals_peft_get_delta_weight_at_any_block_size(lora) -> None:
     base, adapters, _ = lora
     ckpts = open_all([base, *adapters])
-    build_plan(ckpts[0], ckpts[1:])
+    match_models(ckpts[0], ckpts[1:])
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     pm = peft.PeftModel.from_pretrained(model, adapters[0])
     checked = 0
@@ -118,7 +118,7 @@ def test_block_size_and_fast_path(lora, tmp_path: Path) -> None:
     a, b = load_output(tmp_path / "a"), load_output(tmp_path / "b")
     assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
     ckpts = open_all([base, *adapters])
-    plan = build_plan(ckpts[0], ckpts[1:])
+    plan = match_models(ckpts[0], ckpts[1:])
     assert not any(eligible(plan, j) for j in plan.jobs)  # the fused kernels read stored bytes; τ is computed
 
 
@@ -219,7 +219,7 @@ def test_cli_plan_and_inspect_accept_adapters(lora, tmp_path: Path, capsys: pyte
 
 
 def test_resume_fingerprint_covers_the_adapter_config(lora, tmp_path: Path) -> None:
-    from rlmerge.partial import fingerprint
+    from rlmerge.io.partial import fingerprint
 
     base, adapters, _ = lora
     ad = _edit_config(adapters[0], tmp_path / "ad")

@@ -21,9 +21,9 @@ import torch
 
 import rlmerge
 from conftest import load_output
-from rlmerge.checkpoint import open_all
-from rlmerge.dryrun import dry_run
+from rlmerge.engine.dryrun import dry_run
 from rlmerge.errors import InputError
+from rlmerge.io.open import open_all
 from rlmerge.synthetic import Shape, make_example
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def test_shards_read_as_model_merger_writes_them(verl_run: dict[str, Path]) -> N
 def test_resume_fingerprint_covers_every_shard(verl_run: dict[str, Path]) -> None:
     """partial.fingerprint identifies a checkpoint by its ``files``: the first replica's model shards (by path and
     size; the resume check adds their identities), never the optimizer or extra-state files."""
-    from rlmerge.partial import fingerprint
+    from rlmerge.io.partial import fingerprint
 
     ckpt = open_all([verl_run["b"]])[0]
     assert [f.name for f in ckpt.files] == ["model_world_size_4_rank_0.pt", "model_world_size_4_rank_1.pt"]

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 
 import rlmerge
-from rlmerge import writer as writer_mod
 from rlmerge.cli import main
 from rlmerge.errors import OutputError
-from rlmerge.partial import LOCK, PROGRESS, PartialDir, partial_path
+from rlmerge.io import writer as writer_mod
+from rlmerge.io.partial import LOCK, PROGRESS, PartialDir, partial_path
 
 # A real CLI run that, in the child only, pauses before writing once HOLD_AFTER shards are complete and
 # for as long as the file HOLD exists: the signal lands mid-merge however fast the merge itself is.
 CHILD = """
 import os, sys, time
-from rlmerge import writer
+from rlmerge.io import writer
 _write = writer.CheckpointWriter.write
 def _held(self, data):
     while os.path.exists(os.environ["HOLD"]) and len(self.partial.shards) >= int(os.environ["HOLD_AFTER"]):

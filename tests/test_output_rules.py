@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from conftest import TINY
-from rlmerge import mapping
-from rlmerge.checkpoint import Checkpoint
 from rlmerge.cli import main
+from rlmerge.io import mapping
+from rlmerge.io.checkpoint import Checkpoint
 from rlmerge.synthetic import make_example
 
 REFUSED, OK = "refused", "ok"

@@ -23,10 +23,10 @@ from safetensors.torch import load_file, save_file
 
 import rlmerge
 from conftest import TINY, load_output
-from rlmerge import checkpoint
-from rlmerge.checkpoint import Checkpoint
 from rlmerge.cli import main
 from rlmerge.errors import ConfigError, InputError, RLMergeError
+from rlmerge.io import checkpoint
+from rlmerge.io.checkpoint import Checkpoint
 from rlmerge.synthetic import make_example, write_checkpoint
 
 
@@ -246,7 +246,7 @@ def test_a_local_path_with_a_typo_is_not_looked_up_on_the_hub(example, tmp_path:
 
 def test_resume_refuses_an_agent_retrained_in_place(example, tmp_path: Path, monkeypatch) -> None:
     """Same header, same size, new weights: the kept shards came from the old ones, so resuming would mix."""
-    from rlmerge import writer as writer_mod
+    from rlmerge.io import writer as writer_mod
 
     base, agents = example
     out = tmp_path / "out"

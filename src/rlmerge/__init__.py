@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
+from .engine.anatomy import inspect
+from .engine.dryrun import dry_run
+from .engine.merge import MergeResult, merge
+from .errors import ConfigError, InputError, OutputError, RLMergeError
 
-from .errors import ConfigError, InputError, OutputError, RLMergeError  # noqa: E402
-from .inspect import inspect  # noqa: E402
-from .merge import MergeResult, merge  # noqa: E402
-
-__all__ = ["ConfigError", "InputError", "MergeResult", "OutputError", "RLMergeError", "__version__", "inspect",
-           "merge"]
+__all__ = ["ConfigError", "InputError", "MergeResult", "OutputError", "RLMergeError", "__version__", "dry_run",
+           "inspect", "merge"]

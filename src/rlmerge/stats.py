@@ -152,6 +152,11 @@ class Statistics:
     def n_agents(self) -> int:
         return len(self.agents)
 
+    def identical_agents(self) -> list[str]:
+        """A warning per agent that changed no element (|τ| ≤ ε everywhere): it contributes nothing."""
+        return [f"agent {a} is identical to the base (no element with |τ| > ε): it contributes nothing"
+                for a, c in zip(self.agents, self.changed) if c == 0]
+
     def for_tensor(self, name: str, numel: int, weight: int = 1) -> TensorStats:
         ts = self.tensors.get(name)
         if ts is None:

@@ -109,8 +109,8 @@ def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], cfg: dict[str
     """A model folder; ``owned``: written whole, with rlmerge.json listing its files, replacing only an earlier
     one rlmerge wrote (the demo's inputs)."""
     if owned:
-        from . import __version__
-        from .partial import owned_folder
+        from ._version import __version__
+        from .io.partial import owned_folder
 
         with owned_folder(path, {"rlmerge_version": __version__, "kind": "example"}, force=True) as partial:
             write_checkpoint(partial.tmp, tensors, cfg, tokenizer=tokenizer)
@@ -159,7 +159,7 @@ def make_example(root: Path, *, shape: Shape = Shape(), densities: tuple[float, 
     cfg = config(shape, dtype)
     if owned:  # every folder is checked before any is written: all replaced, or none
         from .errors import raise_all
-        from .partial import output_problems
+        from .io.partial import output_problems
 
         folders = [root / "base", *(root / (names[i] if i < len(names) else f"agent{i}")
                                     for i in range(len(densities)))]

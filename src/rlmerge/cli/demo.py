@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from ..merge import merge
-from ..partial import check_output
+from ..engine.merge import merge
+from ..io.partial import check_output
 from .console import out
 from .merge import print_result
 

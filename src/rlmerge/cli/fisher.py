@@ -20,7 +20,7 @@ def fisher_command(
     force: Annotated[bool, typer.Option(help="replace an existing output folder")] = False,
 ) -> None:
     """Write the empirical diagonal Fisher of MODEL (mean over examples of squared log-likelihood gradients)."""
-    from ..fisher_estimate import estimate_fisher  # torch and transformers: imported when it runs
+    from ..engine.fisher_estimate import estimate_fisher  # torch and transformers: imported when it runs
 
     path = estimate_fisher(model, data, output, examples=examples, max_length=max_length, device=device, force=force)
     out.print(f"wrote [bold]{path}[/]: merge with --method fisher --param fisher=F1,F2,...")

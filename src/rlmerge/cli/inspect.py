@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
+from ..engine.anatomy import DEFAULT_THRESHOLDS, inspect
 from ..errors import ConfigError
-from ..inspect import DEFAULT_THRESHOLDS, inspect
 from .console import err, out
 
 

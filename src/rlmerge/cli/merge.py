@@ -10,8 +10,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from ..engine.merge import MergeResult, merge
 from ..errors import ConfigError
-from ..merge import MergeResult, merge
 from ..recipe import load_recipe
 from . import options as o
 from .console import err, out
@@ -25,7 +25,7 @@ def parse_param(text: str) -> tuple[str, Any]:
 
 
 @dataclass
-class Job:
+class Request:
     """What the command line (or a recipe) asks to merge: models, method, parameters, run options."""
 
     base: str
@@ -38,7 +38,7 @@ class Job:
 
 
 def gather(models: list[str] | None, recipe: Path | None, method: str | None, dtype: str | None,
-           param: list[str] | None, **flags: Any) -> Job:
+           param: list[str] | None, **flags: Any) -> Request:
     """Models from the command line or a recipe, the recipe's values overridden by explicit flags."""
     params: dict[str, Any] = {}
     options: dict[str, Any] = {}
@@ -57,7 +57,7 @@ def gather(models: list[str] | None, recipe: Path | None, method: str | None, dt
         base, agents = models[0], models[1:]
     params.update({k: v for k, v in flags.items() if v is not None})
     params.update(dict(parse_param(p) for p in param or []))
-    return Job(base, list(agents), method or "ram+", params, dtype, options, raw)
+    return Request(base, list(agents), method or "ram+", params, dtype, options, raw)
 
 
 def merge_command(
@@ -88,15 +88,15 @@ def merge_command(
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
 ) -> None:
     """Merge AGENTs (RL fine-tunes of BASE) into one Hugging Face checkpoint."""
-    job = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
+    req = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
                  rescale_factor=rescale_factor, epsilon=eps, scaling=scaling)
-    options = dict(job.options)
+    options = dict(req.options)
     run = {"shard_size": shard_size, "block_size": block_size, "device": device, "seed": seed}
     options.update({k: v for k, v in run.items() if v is not None})
     options["allow_missing"] = allow_missing or options.get("allow_missing", False)
     options["count_tied_twice"] = count_tied_twice or options.get("count_tied_twice", False)
-    res = merge(job.base, job.agents, output, method=job.method, params=job.params, dtype=job.dtype, force=force,
-                quiet=quiet or json_out, recipe=job.raw, resume=resume, fsync=fsync, **options)
+    res = merge(req.base, req.agents, output, method=req.method, params=req.params, dtype=req.dtype, force=force,
+                quiet=quiet or json_out, recipe=req.raw, resume=resume, fsync=fsync, **options)
     for w in res.warnings:
         err.print(f"[yellow]warning:[/] {w}")
     if json_out:
@@ -106,7 +106,7 @@ def merge_command(
 
 
 def result_json(res: MergeResult) -> dict[str, Any]:
-    from ..provenance import agent_rows
+    from ..report.provenance import agent_rows
 
     return {"output": str(res.output), "method": res.method, "agents": agent_rows(res),
             "seconds": round(res.seconds, 3), "read_bytes": res.read_bytes, "write_bytes": res.write_bytes,
@@ -114,7 +114,7 @@ def result_json(res: MergeResult) -> dict[str, Any]:
 
 
 def print_result(res: MergeResult) -> None:
-    from ..provenance import agent_rows
+    from ..report.provenance import agent_rows
 
     rows = agent_rows(res)
     table = Table(title=f"{res.method} merge of {len(rows)} agents")

@@ -7,12 +7,13 @@ from typing import Annotated
 
 import typer
 
+from ..methods import REGISTRY
+from ..methods.ram import PRESETS
+
 Models = Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")]
-Method = Annotated[str | None, typer.Option(
-    help="ram+, ram, task_arithmetic, linear, unique, ties, ties_global, dare_ta, dare_ties, breadcrumbs, "
-    "della, slerp, model_stock, fisher (docs/methods.md)")]
+Method = Annotated[str | None, typer.Option(help=f"{', '.join(REGISTRY)} (docs/methods.md)")]
 Recipe = Annotated[Path | None, typer.Option(help="YAML recipe (mergekit layout)")]
-Preset = Annotated[str | None, typer.Option(help="RAM+: paper, paper-soft, official, tensor-local")]
+Preset = Annotated[str | None, typer.Option(help=f"RAM+: {', '.join(PRESETS)}")]
 R = Annotated[float | None, typer.Option("--r", help="RAM+ strength r (paper: 0.1)")]
 Alpha = Annotated[float | None, typer.Option(help="RAM+ clip α on ρ (paper: 2.0)")]
 RescaleFactor = Annotated[float | None, typer.Option(help="RAM+ official preset's R (1.2)")]

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ..dryrun import DryRun, dry_run
+from ..engine.dryrun import DryRun, dry_run
 from ..errors import ProblemsError
 from . import options as o
 from .console import err, out
@@ -37,13 +37,13 @@ def plan_command(
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
 ) -> None:
     """Check a merge from headers only (no weight is read): report every problem and what it will cost."""
-    job = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
+    req = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
                  rescale_factor=rescale_factor, epsilon=eps, scaling=scaling)
-    options = {k: v for k, v in job.options.items() if k in ("shard_size", "block_size")}
-    allow_missing = allow_missing or bool(job.options.get("allow_missing", False))
-    count_tied_twice = count_tied_twice or bool(job.options.get("count_tied_twice", False))
+    options = {k: v for k, v in req.options.items() if k in ("shard_size", "block_size")}
+    allow_missing = allow_missing or bool(req.options.get("allow_missing", False))
+    count_tied_twice = count_tied_twice or bool(req.options.get("count_tied_twice", False))
     options.update({k: v for k, v in {"shard_size": shard_size, "block_size": block_size}.items() if v is not None})
-    report = dry_run(job.base, job.agents, output, method=job.method, params=job.params, dtype=job.dtype,
+    report = dry_run(req.base, req.agents, output, method=req.method, params=req.params, dtype=req.dtype,
                      allow_missing=allow_missing, count_tied_twice=count_tied_twice, force=force, resume=resume,
                      **options)
     if json_out:
@@ -63,10 +63,10 @@ def _size(n: int | None) -> str:
 
 
 def print_report(r: DryRun) -> None:
-    if r.plan is not None:
-        merged = len(r.plan.merge_jobs)
-        out.print(f"method {r.method}: {len(r.plan.jobs)} tensors ({merged} merged, "
-                  f"{len(r.plan.jobs) - merged} copied), {len(r.plan.agents)} agents")
+    if r.match is not None:
+        merged = len(r.match.merge_jobs)
+        out.print(f"method {r.method}: {len(r.match.jobs)} tensors ({merged} merged, "
+                  f"{len(r.match.jobs) - merged} copied), {len(r.match.agents)} agents")
         out.print(f"passes: {' + '.join(r.passes)}; read {_size(r.read_bytes)}, write {_size(r.write_bytes)} "
                   f"in {r.shards} shard(s)")
     if r.memory is not None:

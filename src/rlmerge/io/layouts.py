@@ -18,7 +18,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..checkpoint import Checkpoint
 from ..errors import InputError
 
 HF_WEIGHTS = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
@@ -26,20 +25,6 @@ HF_WEIGHTS = ("model.safetensors.index.json", "model.safetensors", "pytorch_mode
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 VERL_RANK = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 DEEPSPEED_STATES = re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$|_optim_states\.pt$")
-
-
-def open_layout(path: Path, *, label: str | None = None, revision: str | None = None) -> Checkpoint:
-    """Open ``path`` with the reader for its layout; refuse a layout rlmerge cannot read, saying what to do."""
-    kind, folder = detect(path)
-    if kind == "verl":
-        from .verl import VerlCheckpoint
-
-        return VerlCheckpoint(folder, label=label, revision=revision)
-    if kind == "lora":
-        from .lora import LoraAdapter
-
-        return LoraAdapter(folder, label=label, revision=revision)
-    return Checkpoint(folder, label=label, revision=revision)
 
 
 def _has(folder: Path, names: tuple[str, ...]) -> bool:

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from .._torch import torch
-from ..checkpoint import Checkpoint, TensorInfo
 from ..errors import InputError, RLMergeError, raise_all
+from .checkpoint import Checkpoint, TensorInfo
 
 PREFIX = "base_model.model."
 TILE = 1 << 16  # elements per tile of τ: fixed per tensor, so a value never depends on the block size
@@ -166,7 +166,7 @@ class LoraAdapter(Checkpoint):
                                            f"{got}", file=where, tensor=full.name,
                                            hint="pass the base model this adapter was trained on (a resized "
                                                 "vocabulary: resize it back)"))
-        # the base's tensors even when refused: the plan then reports these problems, not every tensor as missing
+        # the base's tensors even when refused: the match then reports these problems, not every tensor as missing
         self.tensors = {n: TensorInfo(n, i.dtype, i.shape, self._weights) for n, i in base.tensors.items()}
         if problems:
             return problems

@@ -104,7 +104,7 @@ def merge_checkpoints(
 
 def estimate_fishers(agents: Sequence[Path], data: Sequence[Path], out: Path, examples: int) -> list[Path]:
     """Each agent's empirical diagonal Fisher on its own task's data, via the engine's estimator."""
-    from rlmerge.fisher_estimate import estimate_fisher
+    from rlmerge.engine.fisher_estimate import estimate_fisher
 
     return [
         Path(estimate_fisher(agent, jsonl, out / f"fisher-{i}", examples=examples, force=True))

@@ -1,92 +1,18 @@
-"""Merge methods: a registry of named, pure block functions.
+"""Merge methods: a registry of named declarations, built from explicit imports (no registration by side effect).
 
-A method is a ``MethodSpec``: a frozen parameter dataclass, whether it needs the statistics pass,
-a ``prepare`` step that turns whole-model statistics into constants (RAM+'s λ, a global threshold),
-and ``merge``, a pure function of (base block [n], float32 deltas [N, n], parameters, context)
-returning the merged float32 weights [n]. No IO, no global state, no mutation of inputs.
+``spec.MethodSpec`` says what a method is; each module here declares one family of methods.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
-
-from .._torch import torch
-from ..errors import ConfigError, RLMergeError
-from ..params import check_range as check_range  # re-exported: every method module checks its ranges
-from ..params import parse_params
-from ..stats import Statistics, TensorStats
-
-Scope = Literal["elementwise", "global", "tensor-local"]
-
-
-@dataclass(frozen=True)
-class BlockContext:
-    """Where a block sits, and what the statistics pass learned about its tensor."""
-
-    name: str  # tensor name
-    start: int  # flat element range [start, stop) of the tensor
-    stop: int
-    shape: tuple[int, ...]
-    present: tuple[bool, ...]  # per agent; a missing agent's deltas are zero
-    prepared: Any  # what the method's prepare() returned
-    tensor_stats: TensorStats | None  # None when the method ran without a statistics pass
-    seed: int = 0
-    extra: torch.Tensor | None = None  # [N, n] float32 side inputs of the block (e.g. Fisher), if any
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    name: str
-    summary: str
-    paper: str  # arXiv id or citation
-    scope: Scope
-    params: type  # frozen dataclass; field defaults are the paper's
-    merge: Callable[[torch.Tensor, torch.Tensor, Any, BlockContext], torch.Tensor]
-    needs_stats: Callable[[Any], bool] = lambda p: False
-    prepare: Callable[[Any, Statistics | None, int], Any] = lambda p, s, n: None
-    epsilon: Callable[[Any], float] = lambda p: getattr(p, "epsilon", 1e-5)
-    # Optional: an object fed every block of the statistics pass (``observe(ctx, base, deltas)``); after each
-    # tensor and after the whole model, ``again(name | None)`` may ask for that range to be streamed once more
-    # (exact order statistics need a second look). prepare() finds it as ``stats.observed``.
-    observer: Callable[[Any, int], Any] = lambda p, n: None
-    row_blocks: Callable[[Any], bool] = lambda p: False  # blocks hold whole rows (shape[1:]) of each tensor
-    # Per-agent side inputs (folders shaped like the agents, e.g. Fisher diagonals), read blockwise as ``extra``.
-    extra_inputs: Callable[[Any], tuple[str, ...] | None] = lambda p: None
-    # What the parameters ask of the number of agents N beyond per-agent lengths (``validate``); raises ConfigError.
-    check: Callable[[Any, int], None] = lambda p, n: None
-
-    def parse(self, values: Mapping[str, Any] | None) -> Any:
-        """Build the parameter dataclass from loose values (CLI, YAML); all problems at once."""
-        return parse_params(self.params, values or {}, where=f"method {self.name!r}")
-
-
-def validate(spec: MethodSpec, params: Any, n: int) -> list[RLMergeError]:
-    """Everything about ``params`` that depends on the number of agents ``n``, before any file is read.
-
-    Every tuple-valued parameter holds one value per agent (weights, per-agent densities, Fisher folders), so
-    its length must be ``n``; then the method's own ``check``. ``merge`` and ``plan`` both call this.
-    """
-    for f in dataclasses.fields(params):
-        value = getattr(params, f.name)
-        if isinstance(value, tuple) and len(value) != n:
-            what = "weight(s)" if f.name == "weights" else f"value(s) of {f.name}"
-            return [ConfigError(f"method {spec.name!r}: {len(value)} {what} given for {n} agent(s)",
-                                hint="give one per agent, in the order the agents are listed")]
-    try:
-        spec.check(params, n)
-    except RLMergeError as e:
-        return [e]
-    return []
+from ..errors import ConfigError
+from . import arm_ties, fisher, gta, model_stock, ram, slerp, task_arithmetic
+from .spec import BlockContext, MethodSpec, Scope, validate
 
 
 def _registry() -> dict[str, MethodSpec]:
-    from . import fisher, gta, model_stock, ram, slerp, task_arithmetic
-
-    specs = [*ram.METHODS, *task_arithmetic.METHODS, *gta.METHODS, *slerp.METHODS, *model_stock.METHODS,
-             *fisher.METHODS]
+    specs = [*ram.METHODS, *arm_ties.METHODS, *task_arithmetic.METHODS, *gta.METHODS, *slerp.METHODS,
+             *model_stock.METHODS, *fisher.METHODS]
     return {s.name: s for s in specs}
 
 
@@ -99,3 +25,6 @@ def get_method(name: str) -> MethodSpec:
     if key not in REGISTRY:
         raise ConfigError(f"unknown method {name!r}", hint=f"choose one of: {', '.join(sorted(REGISTRY))}")
     return REGISTRY[key]
+
+
+__all__ = ["ALIASES", "REGISTRY", "BlockContext", "MethodSpec", "Scope", "get_method", "validate"]

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ._ops import RNG_CHUNK as CHUNK  # one piece of a block serves both the random numbers and the lanes
+
 if TYPE_CHECKING:
     import torch
 
-CHUNK = 1 << 16  # = _ops.RNG_CHUNK: on the fast path one piece of a block serves the random numbers and the lanes
 LANES = 8
 EPS = 1e-7  # mergekit's: a (near-)empty tensor is not rescaled
 GROUP = 8  # whole chunks per cumsum on the torch path: 8 · 65,536 float64 per row of temporaries

@@ -7,6 +7,7 @@ DELLA are presets that pick a pruning step and whether to elect a sign (see ``gt
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 
@@ -42,6 +43,11 @@ def uniform(seed: int, agent: int, tensor: str, numel: int, start: int, stop: in
     return out
 
 
+def row_length(shape: tuple[int, ...]) -> int:
+    """Elements per row (``shape[1:]``); a 1-D tensor is one row, as mergekit's unsqueeze(0)."""
+    return math.prod(shape[1:]) if len(shape) >= 2 else max(math.prod(shape), 1)
+
+
 def weight_sum(w: np.ndarray) -> np.float32:
     """Σ w_t accumulated in float64 and rounded once to float32: the same on every machine and both paths
     (torch's own float32 sum adds in an order that depends on the length and the CPU's vector width)."""
@@ -66,11 +72,12 @@ def agree(weighted: torch.Tensor, elected: torch.Tensor) -> torch.Tensor:
     return torch.sign(weighted) == elected
 
 
-def combine(weighted: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None, *, normalize: bool) -> torch.Tensor:
+def combine(weighted: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None, *, normalize: bool,
+            div: np.float32) -> torch.Tensor:
     """Σ_t mask_t w_t τ_t, divided by Σ_t mask_t w_t (disjoint mean) when ``normalize``.
 
-    Without a mask the divisor is Σ_t w_t. A zero divisor (no agent kept) divides by 1, as mergekit does.
-    Sums run over agents in order.
+    Without a mask the divisor is ``div`` (Σ_t w_t, 1 when it is ~0: gta.combine_constants). With one, an element
+    no agent kept divides by 1, as mergekit does. Sums run over agents in order.
     """
     n = weighted.shape[0]
     kept = weighted if mask is None else weighted * mask
@@ -80,13 +87,12 @@ def combine(weighted: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None, 
     if not normalize:
         return total
     if mask is None:
-        div = torch.tensor(weight_sum(w.cpu().numpy()), device=total.device)
-        return total / (div if float(div.abs()) >= 1e-8 else torch.ones_like(div))
+        return total / torch.tensor(div, device=total.device)
     wm = w.unsqueeze(-1) * mask  # [N, n]
-    div = wm[0].clone()
+    den = wm[0].clone()
     for t in range(1, n):
-        div += wm[t]
-    return total / torch.where(div == 0, 1.0, div)
+        den += wm[t]
+    return total / torch.where(den == 0, 1.0, den)
 
 
 def row_ranks(absd: torch.Tensor, row: int) -> torch.Tensor:

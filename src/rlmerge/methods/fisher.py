@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from .._torch import torch
 from ..errors import ConfigError
+from ..params import check_range
 from ..stats import Statistics
-from . import BlockContext, MethodSpec, check_range
+from .spec import BlockContext, MethodSpec
 from .task_arithmetic import agent_weights
 
 

@@ -23,11 +23,12 @@ import numpy as np
 
 from .._torch import torch
 from ..errors import ConfigError
+from ..params import check_range
 from ..stats import Statistics
-from . import BlockContext, MethodSpec, check_range
 from ._l1 import LaneSum, l1_factors
-from ._ops import agree, combine, elect_sign, keep_window, row_ranks, uniform
-from ._select import KthLargest
+from ._ops import agree, combine, elect_sign, keep_window, row_length, row_ranks, uniform, weight_sum
+from ._select import ROUNDS, KthLargest
+from .spec import BlockContext, MethodSpec
 from .task_arithmetic import agent_weights
 
 Prune = Literal["magnitude", "magnitude-global", "random", "outliers", "magprune"]
@@ -63,6 +64,29 @@ PRESETS: dict[str, Preset] = {
     "della_linear": Preset("magprune", False, False, "arXiv:2406.11617",
                            "DELLA's MagPrune, then a plain (weighted) sum"),
 }
+
+
+@dataclass(frozen=True)
+class Combine:
+    """The combine step's constants, as every backend uses them (the torch steps in _ops.py, the numba kernels)."""
+
+    w: np.ndarray  # [N] float32 weights
+    elect: bool  # TIES sign election
+    normalize: bool  # divide by Σ w (the kept agents' Σ w with sign election)
+    div: np.float32  # Σ w without a mask (_ops.weight_sum); 1 when |Σ w| < 1e-8, as mergekit
+    scaling: np.float32
+
+    @property
+    def apply_scaling(self) -> bool:
+        return bool(self.scaling != 1.0)
+
+
+def combine_constants(name: str, preset: Preset, params: Any, n: int) -> Combine:
+    """``Combine`` for method ``name`` of ``preset`` with ``params`` and ``n`` agents."""
+    w = agent_weights(name, params.weights, n)
+    div = weight_sum(w)
+    return Combine(w, preset.sign_election, bool(preset.normalize if params.normalize is None else params.normalize),
+                   div if abs(div) >= 1e-8 else np.float32(1.0), np.float32(params.scaling))
 
 
 def per_agent(value: PerAgent, n: int, where: str, name: str) -> tuple[float, ...]:
@@ -212,6 +236,16 @@ class GtaObserver:
         self._global_numel = 0
         self._name = ""
 
+    def streams(self, name: str, numel: int, numba: bool) -> int:
+        """Statistics-pass streams of a tensor, at most: every selection round for a whole-model threshold, and
+        on the torch path for a per-tensor one (the numba path selects inside the merge pass)."""
+        if not self.needs_selection:
+            return 1
+        if self.preset.prune == "magnitude-global":
+            return ROUNDS
+        own = any(r for t in range(self.n) for r in _ranks(self.preset.prune, numel, self.density[t], self.gamma[t]))
+        return ROUNDS if own and not numba else 1
+
     @property
     def needs_selection(self) -> bool:
         return self.preset.prune in ("magnitude", "magnitude-global", "outliers")
@@ -320,20 +354,17 @@ def prune_block(preset: Preset, obs: GtaObserver, deltas: torch.Tensor,
     else:  # magprune: p_i = density − ε + 2ε · (rank of |τ_i| in its row, normalised to [0, 1])
         eps = torch.tensor(per_agent(obs.params.epsilon, n_agents, "della", "epsilon"),
                            dtype=torch.float32, device=deltas.device).unsqueeze(-1)
-        prob = (dens - eps) + row_ranks(deltas.abs(), _row(ctx.shape)) * (2 * eps)
+        prob = (dens - eps) + row_ranks(deltas.abs(), row_length(ctx.shape)) * (2 * eps)
     keep = u < prob
     return deltas * keep, prob
 
 
-def _row(shape: tuple[int, ...]) -> int:
-    return math.prod(shape[1:]) if len(shape) >= 2 else max(math.prod(shape), 1)
 
-
-def _merge(preset: Preset, base: torch.Tensor, deltas: torch.Tensor, params: Any,
+def _merge(name: str, preset: Preset, base: torch.Tensor, deltas: torch.Tensor, params: Any,
            ctx: BlockContext) -> torch.Tensor:
     obs: GtaObserver = ctx.prepared
-    n = deltas.shape[0]
-    w = torch.from_numpy(agent_weights(preset.summary.split(":")[0], params.weights, n)).to(deltas.device)
+    c = combine_constants(name, preset, params, deltas.shape[0])
+    w = torch.from_numpy(c.w).to(deltas.device)
     pruned, prob = prune_block(preset, obs, deltas, ctx)
     rescale = getattr(params, "rescale", "none")
     if rescale == "inverse" and prob is not None:
@@ -341,11 +372,10 @@ def _merge(preset: Preset, base: torch.Tensor, deltas: torch.Tensor, params: Any
     elif rescale == "l1":
         pruned = pruned * torch.from_numpy(obs.l1[ctx.name]).to(deltas.device).unsqueeze(-1)
     weighted = pruned * w.unsqueeze(-1)
-    mask = agree(weighted, elect_sign(weighted)) if preset.sign_election else None
-    normalize = preset.normalize if params.normalize is None else params.normalize
-    mixed = combine(weighted, w, mask, normalize=normalize)
-    if params.scaling != 1.0:
-        mixed = mixed * params.scaling
+    mask = agree(weighted, elect_sign(weighted)) if c.elect else None
+    mixed = combine(weighted, w, mask, normalize=c.normalize, div=c.div)
+    if c.apply_scaling:
+        mixed = mixed * c.scaling
     return base + mixed
 
 
@@ -369,8 +399,8 @@ def _spec(name: str, params: type) -> MethodSpec:
         preset.prune, "elementwise")
     return MethodSpec(
         name, preset.summary, preset.paper, scope, params,  # type: ignore[arg-type]
-        lambda b, d, p, c: _merge(preset, b, d, p, c),
-        prepare=_prepare(preset), observer=_observer(preset),
+        lambda b, d, p, c: _merge(name, preset, b, d, p, c),
+        prepare=_prepare(preset), observer=_observer(preset), sparsify=preset,
         row_blocks=lambda p: preset.prune == "magprune", epsilon=lambda p: 1e-5)
 
 

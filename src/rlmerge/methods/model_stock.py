@@ -12,14 +12,17 @@ them per row inside row-aligned blocks and needs no statistics pass.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .._torch import torch
 from ..errors import ConfigError
-from . import BlockContext, MethodSpec
+from ..stats import TensorStats
+from ._ops import row_length
+from .rule import Expr, Terms
+from .spec import BlockContext, MethodSpec
 
 
 @dataclass(frozen=True)
@@ -50,19 +53,29 @@ def tensor_t(dots: np.ndarray, n: int) -> np.float32:
     return np.float32(interpolation(_mean_cos(dots), n))
 
 
-def _merge(base: torch.Tensor, deltas: torch.Tensor, params: ModelStockParams, ctx: BlockContext) -> torch.Tensor:
+def stock_rule(t: Terms, p: ModelStockParams) -> Expr:
+    """t · mean_i θ_i + (1 − t) · θ₀ with the tensor's t; Σ θ_i in agent order."""
+    total = t.b + t.x[0]
+    for i in range(1, t.n):
+        total = total + (t.b + t.x[i])
+    return t.const.t * (total / t.const.n) + (t.lit(1.0) - t.const.t) * t.b
+
+
+def _constants(p: ModelStockParams, prepared: Any, ts: TensorStats | None, n: int, name: str) -> dict[str, Any]:
+    if ts is None:
+        raise RuntimeError("model_stock ran without its statistics pass")
+    return {"t": tensor_t(ts.dots, n), "n": np.float32(n)}
+
+
+def _merge_rows(base: torch.Tensor, deltas: torch.Tensor, params: ModelStockParams,
+                ctx: BlockContext) -> torch.Tensor:
+    """``filter_wise``: one t per row, from the rows of the block (row-aligned; a 1-D tensor is one row)."""
     n = deltas.shape[0]
-    if params.filter_wise:  # row-aligned blocks; a 1-D tensor is one row, as mergekit's unsqueeze(0)
-        row = _row(ctx.shape)
-        rows = deltas.reshape(n, -1, row).double()  # [N, rows, row]
-        dots = torch.einsum("arc,brc->abr", rows, rows).cpu().numpy()  # [N, N, rows]
-        t = torch.from_numpy(interpolation(_mean_cos(dots), n)).float().to(base.device)  # [rows]
-        t = t.repeat_interleave(row)
-    else:
-        ts = ctx.tensor_stats
-        if ts is None:
-            raise RuntimeError("model_stock ran without its statistics pass")
-        t = torch.tensor(tensor_t(ts.dots, n), device=base.device)
+    row = row_length(ctx.shape)
+    rows = deltas.reshape(n, -1, row).double()  # [N, rows, row]
+    dots = torch.einsum("arc,brc->abr", rows, rows).cpu().numpy()  # [N, N, rows]
+    t = torch.from_numpy(interpolation(_mean_cos(dots), n)).float().to(base.device)  # [rows]
+    t = t.repeat_interleave(row)
     total = base + deltas[0]
     for k in range(1, n):
         total += base + deltas[k]
@@ -74,12 +87,10 @@ def _check_agents(params: ModelStockParams, n: int) -> None:
         raise ConfigError(f"model_stock needs at least two agents (got {n})", hint="add agents, or use another method")
 
 
-def _row(shape: tuple[int, ...]) -> int:
-    return math.prod(shape[1:]) if len(shape) >= 2 else max(math.prod(shape), 1)
-
 
 METHODS = [
     MethodSpec("model_stock", "Model Stock: interpolate base → agent average by the agents' mean cosine",
-               "arXiv:2403.19522", "tensor-local", ModelStockParams, _merge,
+               "arXiv:2403.19522", "tensor-local", ModelStockParams, _merge_rows, rule=stock_rule,
+               constants=_constants, elementwise=lambda p: not p.filter_wise, exact_gram=True,
                needs_stats=lambda p: not p.filter_wise, row_blocks=lambda p: p.filter_wise, check=_check_agents),
 ]

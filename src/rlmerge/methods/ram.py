@@ -12,16 +12,17 @@ preset, which reproduces mergekit's ``ramplus_tl`` with ρ per tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from .._torch import torch
 from ..errors import ConfigError
-from ..stats import Statistics, overlap_ratio
-from . import BlockContext, MethodSpec, check_range
+from ..params import check_range
+from ..stats import Statistics, TensorStats, overlap_ratio
+from .rule import Expr, Terms
+from .spec import MethodSpec
 
-Preset = Literal["paper", "paper-soft", "official", "tensor-local"]
+Preset = Literal["paper", "paper-soft", "official", "tensor-local", "arm-r"]
 PAPER = "arXiv:2601.13572"
 
 # Which knobs each preset reads, and its defaults (paper Eq. 6; appendix; authors' script; mergekit).
@@ -30,6 +31,7 @@ PRESETS: dict[str, dict[str, float]] = {
     "paper-soft": {"r": 0.1},
     "official": {"rescale_factor": 1.2},
     "tensor-local": {"r": 0.1, "alpha": 0.2},
+    "arm-r": {"rescale_factor": 1.2},
 }
 
 
@@ -51,6 +53,7 @@ class RamPlusParams:
     paper-soft:   λ = 1 + r·ρ/(1+ρ)                  r = 0.1
     official:     λ = 1 + (R−1)·min(1, ρ), R ≥ 1     R = rescale_factor = 1.2 (authors' arm-r-v2)
     tensor-local: paper formula, ρ per tensor        r = 0.1, α = 0.2 (mergekit ramplus_tl)
+    arm-r:        λ = 1 + (R−1)·clip(shared/changed, 0, 1), R ≥ 1   R = 1.2 (authors' earlier arm-r)
     """
 
     preset: Preset = "paper"
@@ -103,6 +106,10 @@ def rescale_factor(params: RamPlusParams, shared: int, unique: int) -> float:
     if params.preset == "official":
         big_r = max(params.rescale_factor, 1.0)
         return 1.0 + (big_r - 1.0) * min(1.0, rho)
+    if params.preset == "arm-r":  # ratio shared / changed, 0 for an agent that changed nothing
+        changed = shared + unique
+        big_r = max(params.rescale_factor, 1.0)
+        return 1.0 + (big_r - 1.0) * min(max(shared / changed if changed else 0.0, 0.0), 1.0)
     return 1.0 + params.r * min(max(rho, 0.0), params.alpha)  # paper, tensor-local; ρ = ∞ → α
 
 
@@ -115,49 +122,67 @@ class Prepared:
 
 def prepare_ram_plus(params: RamPlusParams, stats: Statistics | None, n_agents: int) -> Prepared:
     assert stats is not None  # the engine runs the statistics pass for ram+ (needs_stats)
-    warnings = [f"agent {a} is identical to the base (no element with |τ| > ε): it contributes nothing"
-                for a, c in zip(stats.agents, stats.changed) if c == 0]
+    warnings = stats.identical_agents()
     lambdas = tuple(rescale_factor(params, int(s), int(u)) for s, u in zip(stats.shared, stats.unique))
     return Prepared(lambdas, tuple(stats.rho), tuple(warnings))
 
 
-def ram_kernel(base: torch.Tensor, deltas: torch.Tensor, epsilon: float,
-               lambdas: torch.Tensor | None) -> torch.Tensor:
-    """base [n] f32, deltas [N, n] f32, lambdas [N] f32 or None (λ = 1) → merged weights [n] f32.
+def _counted(t: Terms, extra: Any = None) -> tuple[Expr, Expr, Expr | None]:
+    """(c, Σ active τ, Σ active τ × λ) in agent order, each sum from zero: the element's count of agents that
+    changed it (|τ| > ε), their total, and (``extra`` = per-agent λ) their rescaled total."""
+    zero, one = t.lit(0.0), t.lit(1.0)
+    c = total = zero
+    scaled = zero if extra is not None else None
+    for i, x in enumerate(t.x):
+        k = abs(x) > t.const.eps
+        c = c + t.where(k, one, zero)
+        total = total + t.where(k, x, zero)
+        if scaled is not None:
+            scaled = scaled + t.where(k, x * extra[i], zero)
+    return c, total, scaled
 
-    Sums run over agents in order (t = 0, 1, …) so any reference that adds in the same order agrees bit
-    for bit. Unchanged elements return the base exactly (not base + 0, which would turn −0 into +0).
-    """
-    mask = deltas.abs() > epsilon  # [N, n]
-    counts = mask.sum(0)  # [n]
-    active = deltas * mask  # [N, n], exact zeros where inactive
-    total = active[0].clone()
-    for t in range(1, active.shape[0]):
-        total += active[t]
-    mean = total / counts.clamp(min=1)
-    if lambdas is None:
-        uniq = total  # where counts == 1 the sum is that one agent's τ
+
+def ram_rule(t: Terms, p: Any) -> Expr:
+    """Paper Eq. 4: the mean over the agents that changed an element; one agent's τ whole; the base's bits where
+    none did (not base + 0, which would turn −0 into +0)."""
+    c, total, _ = _counted(t)
+    mean = total / t.where(c > t.lit(1.0), c, t.lit(1.0))
+    merged = t.b + t.where(c >= t.lit(2.0), mean, total)
+    return t.where(c.eq(t.lit(0.0)), t.b, merged)
+
+
+def ram_plus_rule(t: Terms, p: Any) -> Expr:
+    """RAM with the single active agent's τ × λ_t (paper Eq. 5–6)."""
+    c, total, scaled = _counted(t, t.agent.lam)
+    mean = total / t.where(c > t.lit(1.0), c, t.lit(1.0))
+    merged = t.b + t.where(c >= t.lit(2.0), mean, scaled)
+    return t.where(c.eq(t.lit(0.0)), t.b, merged)
+
+
+def unique_rule(t: Terms, p: UniqueParams) -> Expr:
+    """The base, plus agent ``p.agent``'s τ (× ``scale``) where it alone changed the element."""
+    c, _, _ = _counted(t)
+    x = t.x[p.agent]
+    only = (abs(x) > t.const.eps) & c.eq(t.lit(1.0))
+    return t.where(only, t.b + x * t.const.scale, t.b)
+
+
+def _ram_constants(p: RamParams, prepared: Any, ts: TensorStats | None, n: int, name: str) -> dict[str, Any]:
+    return {"eps": p.epsilon}
+
+
+def _ram_plus_constants(p: RamPlusParams, prepared: Prepared, ts: TensorStats | None, n: int,
+                        name: str) -> dict[str, Any]:
+    if p.preset == "tensor-local":
+        assert ts is not None  # ram+ always has its statistics pass
+        lam = [rescale_factor(p, int(s), int(u)) for s, u in zip(ts.shared, ts.unique)]
     else:
-        uniq = active[0] * lambdas[0]
-        for t in range(1, active.shape[0]):
-            uniq += active[t] * lambdas[t]
-    tau = torch.where(counts >= 2, mean, uniq)
-    return torch.where(counts == 0, base, base + tau)
+        lam = list(prepared.lambdas)
+    return {"eps": p.epsilon, "lam": lam}
 
 
-def _merge_ram(base: torch.Tensor, deltas: torch.Tensor, params: RamParams, ctx: BlockContext) -> torch.Tensor:
-    return ram_kernel(base, deltas, params.epsilon, None)
-
-
-def _merge_ram_plus(base: torch.Tensor, deltas: torch.Tensor, params: RamPlusParams,
-                    ctx: BlockContext) -> torch.Tensor:
-    if params.preset == "tensor-local":
-        ts = ctx.tensor_stats
-        assert ts is not None
-        lam = [rescale_factor(params, int(s), int(u)) for s, u in zip(ts.shared, ts.unique)]
-    else:
-        lam = list(ctx.prepared.lambdas)
-    return ram_kernel(base, deltas, params.epsilon, torch.tensor(lam, dtype=torch.float32))
+def _unique_constants(p: UniqueParams, prepared: Any, ts: TensorStats | None, n: int, name: str) -> dict[str, Any]:
+    return {"eps": p.epsilon, "scale": np.float32(1.0 / n if p.divide_by_n else 1.0)}
 
 
 def _check_unique(params: UniqueParams, n: int) -> None:
@@ -166,31 +191,17 @@ def _check_unique(params: UniqueParams, n: int) -> None:
                           hint=f"agents are numbered from 0: choose 0 … {n - 1}")
 
 
-def _merge_unique(base: torch.Tensor, deltas: torch.Tensor, params: UniqueParams,
-                  ctx: BlockContext) -> torch.Tensor:
-    n = deltas.shape[0]
-    _check_unique(params, n)
-    mask = deltas.abs() > params.epsilon
-    only = mask[params.agent] & (mask.sum(0) == 1)
-    scale = np.float32(1.0 / n if params.divide_by_n else 1.0)
-    return torch.where(only, base + deltas[params.agent] * float(scale), base)
-
-
-def tensor_local_lambdas(params: RamPlusParams, stats: Statistics) -> dict[str, tuple[float, ...]]:
-    """Per-tensor λ of the tensor-local preset, for the report."""
-    return {name: tuple(rescale_factor(params, int(s), int(u)) for s, u in zip(ts.shared, ts.unique))
-            for name, ts in stats.tensors.items()}
-
 
 METHODS = [
     MethodSpec("ram", "RAM: mean over the agents that changed an element; unique elements kept whole",
-               PAPER, "elementwise", RamParams, _merge_ram),
+               PAPER, "elementwise", RamParams, rule=ram_rule, constants=_ram_constants),
     MethodSpec("ram+", "RAM+: RAM with each agent's unique elements rescaled by λ from the overlap ratio ρ",
-               PAPER, "global", RamPlusParams, _merge_ram_plus,
+               PAPER, "global", RamPlusParams, rule=ram_plus_rule, constants=_ram_plus_constants,
                needs_stats=lambda p: True, prepare=prepare_ram_plus),
     MethodSpec("unique", "base + one agent's unique elements only, at full size or divided by N (paper Fig. 3)",
-               PAPER, "elementwise", UniqueParams, _merge_unique, check=_check_unique),
+               PAPER, "elementwise", UniqueParams, rule=unique_rule, constants=_unique_constants,
+               check=_check_unique),
 ]
 
-__all__ = ["METHODS", "PRESETS", "RamParams", "RamPlusParams", "UniqueParams", "ram_kernel",
+__all__ = ["METHODS", "PRESETS", "RamParams", "RamPlusParams", "UniqueParams", "ram_plus_rule", "ram_rule",
            "rescale_factor"]

@@ -1,48 +1,60 @@
-"""An elementwise merge rule, written once and run by every backend (torch, numba; later CUDA).
+"""An elementwise merge rule, written once and run by every backend (the torch reference, the numba kernels).
 
-A rule is a Python function of ``Terms``: the base value ``b``, each agent's task vector ``x[t]`` (θ_t − θ₀ in
-float32) and the method's constants for the tensor (``k.eps``, per agent ``k.lam[t]``). It combines them with
-``+ − × ÷``, ``abs``, comparisons, ``& | ~`` and ``where``. Tracing it for N agents gives a program: float32
-operations in a fixed order, each operand computed before it is used. The numba backend writes the program into
-its element loop; the torch backend applies each operation to whole blocks. Both perform the same IEEE float32
-operations in the same order (no fast-math, no fused multiply-add), so they write the same bytes.
+A rule is a function ``rule(t, params)`` of ``Terms``: the element's base value ``t.b``, each agent's task
+vector ``t.x[i]`` (θ_i − θ₀, float32), the method's per-tensor constants ``t.const.NAME`` and per-agent constants
+``t.agent.NAME[i]``, and literals ``t.lit(v)``. It combines them with ``+ − × ÷``, ``abs``, comparisons
+(``.eq`` for ``==``), ``& | ~`` and ``t.where(cond, a, b)``, and returns the merged value.
 
->>> def double(k): return k.b + (k.x[0] + k.x[0])
->>> trace(double, 1, (), ()).ops
+Tracing it for N agents gives a ``Program``: float32 operations in a fixed order, each operand computed before it
+is used, the same operation on the same operands computed once. The numba backend writes the program into its
+element loop (kernels/fused.py); ``torch_eval`` applies it to whole blocks. Both perform the same IEEE float32
+operations in the same order (no fast-math, no fused multiply-add), so both write the same bytes. A sum is
+written as the additions it is, in the order it is written: ``t.lit(0) + a + b`` is not ``a + b`` when a is −0.
+
+>>> def double(t, p):
+...     return t.b + (t.x[0] + t.x[0])
+>>> [op.name for op in trace(double, None, 1).ops]
+['base', 'tau', 'add', 'add']
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import hashlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-_BIN = {"add": "+", "sub": "-", "mul": "*", "div": "/", "gt": ">", "ge": ">=", "lt": "<", "le": "<=",
-        "eq": "==", "ne": "!=", "and": "&", "or": "|"}
-BOOL_OPS = {"gt", "ge", "lt", "le", "eq", "ne", "and", "or", "not"}
+BINARY = ("add", "sub", "mul", "div", "gt", "ge", "lt", "le", "eq", "ne", "and", "or")
+COMPARE = ("gt", "ge", "lt", "le", "eq", "ne")
+BOOLEAN = (*COMPARE, "and", "or", "not")
+LEAVES = ("base", "tau", "const", "agent", "lit")
 
 
 class Expr:
-    """A value of the rule being traced (float32, or bool for comparisons)."""
+    """A value of a rule being traced: float32, or a bool from a comparison."""
 
-    __slots__ = ("_prog", "ref")
+    __slots__ = ("_b", "ref")
 
-    def __init__(self, prog: _Builder, ref: int) -> None:
-        self._prog, self.ref = prog, ref
+    def __init__(self, builder: _Builder, ref: int) -> None:
+        self._b, self.ref = builder, ref
 
-    def _op(self, name: str, *args: Any) -> Expr:
-        return self._prog.op(name, self, *args)
+    def _op(self, name: str, *others: Any) -> Expr:
+        return self._b.op(name, self, *others)
+
+    def _rop(self, name: str, other: Any) -> Expr:
+        return self._b.op(name, other, self)
 
     def __add__(self, o: Any) -> Expr: return self._op("add", o)
-    def __radd__(self, o: Any) -> Expr: return self._prog.op("add", o, self)
+    def __radd__(self, o: Any) -> Expr: return self._rop("add", o)
     def __sub__(self, o: Any) -> Expr: return self._op("sub", o)
-    def __rsub__(self, o: Any) -> Expr: return self._prog.op("sub", o, self)
+    def __rsub__(self, o: Any) -> Expr: return self._rop("sub", o)
     def __mul__(self, o: Any) -> Expr: return self._op("mul", o)
-    def __rmul__(self, o: Any) -> Expr: return self._prog.op("mul", o, self)
+    def __rmul__(self, o: Any) -> Expr: return self._rop("mul", o)
     def __truediv__(self, o: Any) -> Expr: return self._op("div", o)
-    def __rtruediv__(self, o: Any) -> Expr: return self._prog.op("div", o, self)
+    def __rtruediv__(self, o: Any) -> Expr: return self._rop("div", o)
     def __neg__(self) -> Expr: return self._op("neg")
     def __abs__(self) -> Expr: return self._op("abs")
     def __gt__(self, o: Any) -> Expr: return self._op("gt", o)
@@ -56,178 +68,185 @@ class Expr:
     def eq(self, o: Any) -> Expr:
         return self._op("eq", o)
 
+    def ne(self, o: Any) -> Expr:
+        return self._op("ne", o)
+
     def __bool__(self) -> bool:
-        raise TypeError("a traced value has no truth value: use where(cond, a, b), not `if`")
+        raise TypeError("a traced value has no truth value: write t.where(cond, a, b), not `if`")
 
 
 @dataclass(frozen=True)
 class Op:
-    """One operation: ``name`` over ``args`` (indices of earlier ops, or ("lit", float32 value))."""
+    """One operation: ``name`` over ``args`` (indices of earlier ops; for a leaf, its index or name or value)."""
 
-    name: str  # "base", "tau", "const", "agent_const", "lit", or an operation
+    name: str
     args: tuple[Any, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Program:
-    """A traced rule: operations in evaluation order; ``out`` indexes the merged value."""
+    """A traced rule for ``n`` agents: operations in evaluation order; ``out`` indexes the merged value.
+
+    ``consts`` and ``agent_consts`` name the constants it reads, in the order the backends pass them."""
 
     n: int
-    ops: list[Op]
+    ops: tuple[Op, ...]
     out: int
     consts: tuple[str, ...]
     agent_consts: tuple[str, ...]
 
-    def key(self) -> str:
-        """A stable text of the program (for caching compiled kernels by content)."""
-        return repr((self.n, self.consts, self.agent_consts, self.out, [(o.name, o.args) for o in self.ops]))
+    @functools.cached_property
+    def key(self) -> int:
+        """A stable 62-bit number for the program's content (compiled kernels are cached by it)."""
+        text = repr((self.n, self.consts, self.agent_consts, self.out, [(o.name, o.args) for o in self.ops]))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+    @functools.cached_property
+    def last_use(self) -> list[int]:
+        """For each operation, the index of the last operation that reads it (the result: past the end)."""
+        last = list(range(len(self.ops)))
+        for i, op in enumerate(self.ops):
+            if op.name not in LEAVES:
+                for j in op.args:
+                    last[j] = i
+        last[self.out] = len(self.ops)
+        return last
+
+    def arrays(self, values: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """The constants as the backends take them: scalars [C] and per-agent values [A, N], float32."""
+        missing = [k for k in (*self.consts, *self.agent_consts) if k not in values]
+        if missing:
+            raise KeyError(f"the rule reads constants the method does not give: {missing}")
+        scalars = np.array([np.float32(values[k]) for k in self.consts], dtype=np.float32)
+        per_agent = np.array([np.asarray(values[k], dtype=np.float32).reshape(self.n) for k in self.agent_consts],
+                             dtype=np.float32).reshape(len(self.agent_consts), self.n)
+        return scalars, per_agent
 
 
 @dataclass
 class _Builder:
     n: int
     ops: list[Op] = field(default_factory=list)
+    consts: list[str] = field(default_factory=list)
+    agent_consts: list[str] = field(default_factory=list)
     _memo: dict[Op, int] = field(default_factory=dict)
 
-    def leaf(self, name: str, *args: Any) -> Expr:
-        return Expr(self, self._add(Op(name, args)))
+    def add(self, op: Op) -> Expr:
+        ref = self._memo.get(op)  # the same operation on the same operands is computed once
+        if ref is None:
+            ref = self._memo[op] = len(self.ops)
+            self.ops.append(op)
+        return Expr(self, ref)
 
-    def _arg(self, a: Any) -> int:
+    def arg(self, a: Any) -> int:
         if isinstance(a, Expr):
-            if a._prog is not self:
+            if a._b is not self:
                 raise ValueError("a value of another rule")
             return a.ref
-        if isinstance(a, bool) or not isinstance(a, (int, float, np.floating)):
-            raise TypeError(f"rules combine traced values and numbers, not {type(a).__name__}")
-        return self._add(Op("lit", (float(np.float32(a)),)))
+        if isinstance(a, bool) or not isinstance(a, (int, float, np.floating, np.integer)):
+            raise TypeError(f"a rule combines traced values and numbers, not {type(a).__name__}")
+        return self.lit(a).ref
+
+    def lit(self, v: Any) -> Expr:
+        return self.add(Op("lit", (float(np.float32(v)),)))
 
     def op(self, name: str, *args: Any) -> Expr:
-        return Expr(self, self._add(Op(name, tuple(self._arg(a) for a in args))))
+        return self.add(Op(name, tuple(self.arg(a) for a in args)))
 
-    def _add(self, op: Op) -> int:
-        got = self._memo.get(op)  # the same operation on the same operands: computed once
-        if got is None:
-            got = self._memo[op] = len(self.ops)
-            self.ops.append(op)
-        return got
+
+class _Named:
+    """``t.const.NAME`` (a scalar) or ``t.agent.NAME[i]`` (one per agent), recorded as they are first read."""
+
+    def __init__(self, builder: _Builder, per_agent: bool) -> None:
+        self._builder, self._per_agent = builder, per_agent
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        b = self._builder
+        if not self._per_agent:
+            if name not in b.consts:
+                b.consts.append(name)
+            return b.add(Op("const", (name,)))
+        if name not in b.agent_consts:
+            b.agent_consts.append(name)
+        return [b.add(Op("agent", (name, i))) for i in range(b.n)]
 
 
 class Terms:
-    """What a rule sees: ``b`` (base), ``x[t]`` (task vectors) and ``k`` (the method's constants)."""
+    """What a rule sees: ``b``, ``x[i]``, ``const``, ``agent``, ``lit`` and ``where``."""
 
-    def __init__(self, prog: _Builder, consts: Sequence[str], agent_consts: Sequence[str]) -> None:
-        self.n = prog.n
-        self.b = prog.leaf("base")
-        self.x = [prog.leaf("tau", t) for t in range(prog.n)]
-        self.k = _Consts(prog, consts, agent_consts)
-        self._prog = prog
+    def __init__(self, builder: _Builder) -> None:
+        self.n = builder.n
+        self.b = builder.add(Op("base"))
+        self.x = [builder.add(Op("tau", (i,))) for i in range(builder.n)]
+        self.const = _Named(builder, per_agent=False)
+        self.agent = _Named(builder, per_agent=True)
+        self._builder = builder
+
+    def lit(self, v: float) -> Expr:
+        return self._builder.lit(v)
 
     def where(self, cond: Expr, a: Any, b: Any) -> Expr:
-        return self._prog.op("where", cond, a, b)
+        return self._builder.op("where", cond, a, b)
 
 
-class _Consts:
-    def __init__(self, prog: _Builder, consts: Sequence[str], agent_consts: Sequence[str]) -> None:
-        for name in consts:
-            setattr(self, name, prog.leaf("const", name))
-        for name in agent_consts:
-            setattr(self, name, [prog.leaf("agent_const", name, t) for t in range(prog.n)])
+Rule = Callable[[Terms, Any], Expr]
 
 
-def trace(rule: Callable[[Terms], Expr], n: int, consts: Sequence[str], agent_consts: Sequence[str]) -> Program:
-    prog = _Builder(n)
-    out = rule(Terms(prog, consts, agent_consts))
+def trace(rule: Rule, params: Any, n: int) -> Program:
+    """The program of ``rule`` with ``params`` for ``n`` agents."""
+    builder = _Builder(n)
+    out = rule(Terms(builder), params)
     if not isinstance(out, Expr):
         raise TypeError("a rule returns the merged value (a traced expression)")
-    if prog.ops[out.ref].name in BOOL_OPS:
+    if builder.ops[out.ref].name in BOOLEAN:
         raise TypeError("a rule returns a number, not a comparison")
-    return Program(n, prog.ops, out.ref, tuple(consts), tuple(agent_consts))
+    return Program(n, tuple(builder.ops), out.ref, tuple(builder.consts), tuple(builder.agent_consts))
 
 
-# -- backends ------------------------------------------------------------------------------------------------
-def numba_lines(p: Program) -> tuple[list[str], list[str], str]:
-    """(lines before the loop, lines in the loop, the merged value's name) for the numba source generator.
+@functools.lru_cache(maxsize=256)
+def program(rule: Rule, params: Any, n: int) -> Program:
+    """``trace``, once per (rule, parameters, number of agents)."""
+    return trace(rule, params, n)
 
-    In the loop, ``b`` and ``x{t}`` hold the element's base value and task vectors (float32).
+
+def torch_eval(p: Program, base: Any, deltas: Any, values: Mapping[str, Any]) -> Any:
+    """The program over a block: base [n] and deltas [N, n] float32 (torch, any device) → merged [n] float32.
+
+    The torch reference of every elementwise method: one whole-block operation per program operation, each the
+    float32 operation the numba kernel does per element.
     """
-    pre, body, names = [], [], []
-    for i, op in enumerate(p.ops):
-        v = f"v{i}"
-        a = [names[j] for j in op.args] if op.name not in ("lit", "const", "agent_const", "tau") else []
-        if op.name == "base":
-            v = "b"
-        elif op.name == "tau":
-            v = f"x{op.args[0]}"
-        elif op.name == "lit":
-            pre.append(f"    {v} = np.float32({op.args[0]!r})")
-        elif op.name == "const":
-            pre.append(f"    {v} = consts[{p.consts.index(op.args[0])}]")
-        elif op.name == "agent_const":
-            pre.append(f"    {v} = agent_consts[{p.agent_consts.index(op.args[0])}, {op.args[1]}]")
-        elif op.name in _BIN:
-            body.append(f"        {v} = {a[0]} {_BIN[op.name]} {a[1]}")
-        elif op.name == "neg":
-            body.append(f"        {v} = -{a[0]}")
-        elif op.name == "not":
-            body.append(f"        {v} = not {a[0]}")
-        elif op.name == "abs":
-            body.append(f"        {v} = abs({a[0]})")
-        elif op.name == "where":
-            body.append(f"        {v} = {a[1]} if {a[0]} else {a[2]}")
-        else:
-            raise ValueError(op.name)
-        names.append(v)
-    return pre, body, names[p.out]
-
-
-def torch_eval(p: Program, base: Any, deltas: Any, consts: Sequence[float], agent_consts: Any) -> Any:
-    """The program over whole blocks: base [n], deltas [N, n] float32 (torch); consts [C], agent_consts [A, N]."""
     import torch
 
+    scalars, per_agent = p.arrays(values)
     dev = base.device
 
-    def scalar(v: float) -> torch.Tensor:
-        return torch.tensor(np.float32(v), dtype=torch.float32, device=dev)
+    def scalar(v: np.float32) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.float32, device=dev)
 
+    fns: dict[str, Callable[..., Any]] = {
+        "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "neg": torch.neg, "abs": torch.abs,
+        "gt": torch.gt, "ge": torch.ge, "lt": torch.lt, "le": torch.le, "eq": torch.eq, "ne": torch.ne,
+        "and": torch.logical_and, "or": torch.logical_or, "not": torch.logical_not, "where": torch.where}
+    last = p.last_use
     vals: list[Any] = []
-    for op in p.ops:
-        a = [vals[j] for j in op.args] if op.name not in ("lit", "const", "agent_const", "tau") else []
-        name = op.name
-        if name == "base":
-            r = base
-        elif name == "tau":
-            r = deltas[op.args[0]]
-        elif name == "lit":
-            r = scalar(op.args[0])
-        elif name == "const":
-            r = scalar(consts[p.consts.index(op.args[0])])
-        elif name == "agent_const":
-            r = scalar(agent_consts[p.agent_consts.index(op.args[0])][op.args[1]])
-        elif name == "add":
-            r = a[0] + a[1]
-        elif name == "sub":
-            r = a[0] - a[1]
-        elif name == "mul":
-            r = a[0] * a[1]
-        elif name == "div":
-            r = a[0] / a[1]
-        elif name == "neg":
-            r = -a[0]
-        elif name == "abs":
-            r = torch.abs(a[0])
-        elif name in ("gt", "ge", "lt", "le", "eq", "ne"):
-            r = {"gt": torch.gt, "ge": torch.ge, "lt": torch.lt, "le": torch.le, "eq": torch.eq,
-                 "ne": torch.ne}[name](a[0], a[1])
-        elif name == "and":
-            r = a[0] & a[1]
-        elif name == "or":
-            r = a[0] | a[1]
-        elif name == "not":
-            r = ~a[0]
-        elif name == "where":
-            r = torch.where(a[0], a[1], a[2])
+    for i, op in enumerate(p.ops):
+        if op.name == "base":
+            v = base
+        elif op.name == "tau":
+            v = deltas[op.args[0]]
+        elif op.name == "lit":
+            v = scalar(np.float32(op.args[0]))
+        elif op.name == "const":
+            v = scalar(scalars[p.consts.index(op.args[0])])
+        elif op.name == "agent":
+            v = scalar(per_agent[p.agent_consts.index(op.args[0]), op.args[1]])
         else:
-            raise ValueError(name)
-        vals.append(r)
+            v = fns[op.name](*(vals[j] for j in op.args))
+            for j in op.args:  # a block-sized temporary lives only until its last use
+                if last[j] == i:
+                    vals[j] = None
+        vals.append(v)
     out = vals[p.out]
-    return out.expand_as(base) if out.dim() == 0 else out
+    return out.expand_as(base).clone() if out.dim() == 0 else out

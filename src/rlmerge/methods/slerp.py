@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 from .._torch import torch
 from ..errors import ConfigError
+from ..params import check_range
 from ..stats import Statistics
-from . import BlockContext, MethodSpec, check_range
+from .spec import BlockContext, MethodSpec
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .._torch import torch
 from ..errors import ConfigError
-from . import BlockContext, MethodSpec, check_range
+from ..params import check_range
 from ._ops import weight_sum
+from .rule import Expr, Terms
+from .spec import MethodSpec
 
 
 def _check_weights(where: str, weights: tuple[float, ...] | None) -> None:
@@ -58,51 +60,52 @@ class LinearParams:
         _check_weights("linear", self.weights)
 
 
-def weighted_sum(deltas: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Σ_t w_t · deltas[t], added in agent order."""
-    total = deltas[0] * w[0]
-    for t in range(1, deltas.shape[0]):
-        total += deltas[t] * w[t]
-    return total
-
-
-def _divisor(where: str, w: np.ndarray) -> np.float32:
+def divisor(where: str, w: np.ndarray) -> np.float32:
+    """Σ w_t for normalising (methods/_ops.weight_sum); refused when it is zero."""
     s = weight_sum(w)
     if s == 0.0:
         raise ConfigError(f"{where}: weights sum to zero, cannot normalize", hint="set normalize to false")
     return s
 
 
-def _merge_ta(base: torch.Tensor, deltas: torch.Tensor, params: TaskArithmeticParams,
-              ctx: BlockContext) -> torch.Tensor:
-    w = agent_weights("task_arithmetic", params.weights, deltas.shape[0])
-    mixed = weighted_sum(deltas, torch.from_numpy(w).to(deltas.device))
-    if params.normalize:
-        mixed /= torch.tensor(_divisor("task_arithmetic", w), device=deltas.device)
-    return base + mixed * params.scaling
+def ta_rule(t: Terms, p: TaskArithmeticParams) -> Expr:
+    """θ₀ + scaling · Σ_t w_t τ_t / div (div = Σ w_t when normalising, else 1: x / 1 is x exactly)."""
+    total = t.x[0] * t.agent.w[0]
+    for i in range(1, t.n):
+        total = total + t.x[i] * t.agent.w[i]
+    return t.b + (total / t.const.div) * t.const.scaling
 
 
-def _merge_linear(base: torch.Tensor, deltas: torch.Tensor, params: LinearParams,
-                  ctx: BlockContext) -> torch.Tensor:
-    w_np = agent_weights("linear", params.weights, deltas.shape[0])
-    w = torch.from_numpy(w_np).to(deltas.device)
-    total = (base + deltas[0]) * w[0]  # base + τ_t recovers θ_t exactly for same-dtype checkpoints
-    for t in range(1, deltas.shape[0]):
-        total += (base + deltas[t]) * w[t]
-    return total / torch.tensor(_divisor("linear", w_np), device=deltas.device) if params.normalize else total
+def linear_rule(t: Terms, p: LinearParams) -> Expr:
+    """Σ_t w_t θ_t / div; base + τ_t recovers θ_t exactly for same-dtype checkpoints."""
+    total = (t.b + t.x[0]) * t.agent.w[0]
+    for i in range(1, t.n):
+        total = total + (t.b + t.x[i]) * t.agent.w[i]
+    return total / t.const.div
+
+
+def _constants(where: str) -> Callable[..., dict[str, Any]]:
+    def constants(p: TaskArithmeticParams | LinearParams, prepared: Any, ts: Any, n: int,
+                  name: str) -> dict[str, Any]:
+        w = agent_weights(where, p.weights, n)
+        return {"w": w, "div": divisor(where, w) if p.normalize else np.float32(1.0),
+                "scaling": np.float32(getattr(p, "scaling", 1.0))}
+
+    return constants
 
 
 def _check(where: str) -> Callable[[TaskArithmeticParams | LinearParams, int], None]:
     def check(params: TaskArithmeticParams | LinearParams, n: int) -> None:
         if params.normalize:
-            _divisor(where, agent_weights(where, params.weights, n))
+            divisor(where, agent_weights(where, params.weights, n))
 
     return check
 
 
 METHODS = [
     MethodSpec("task_arithmetic", "base + scaling × the (weighted) sum of task vectors", "arXiv:2212.04089",
-               "elementwise", TaskArithmeticParams, _merge_ta, check=_check("task_arithmetic")),
+               "elementwise", TaskArithmeticParams, rule=ta_rule, constants=_constants("task_arithmetic"),
+               check=_check("task_arithmetic")),
     MethodSpec("linear", "weighted average of the agents' weights", "arXiv:2203.05482", "elementwise",
-               LinearParams, _merge_linear, check=_check("linear")),
+               LinearParams, rule=linear_rule, constants=_constants("linear"), check=_check("linear")),
 ]

@@ -7,14 +7,13 @@ card (``README.md`` + ``rlmerge-report.json``) use the same document.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..stats import Statistics
-from .data import SCHEMA, VERSION, build_report, dtype_facts
+from .data import SCHEMA, VERSION, build_report, dtype_facts, num
 from .markdown import to_markdown
 
 REPORT_FILE = "rlmerge-report.json"
@@ -23,9 +22,7 @@ REPORT_FILE = "rlmerge-report.json"
 def _clean(x: Any) -> Any:
     """JSON-safe: ∞ → "inf", NaN → null, tuples → lists."""
     if isinstance(x, float):
-        if math.isnan(x):
-            return None
-        return ("inf" if x > 0 else "-inf") if math.isinf(x) else x
+        return num(x)
     if isinstance(x, dict):
         return {k: _clean(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

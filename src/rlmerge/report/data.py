@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from ..methods.ram import RamPlusParams, rescale_factor
 from ..stats import MAG_SHIFT, Magnitudes, Statistics, bin_lower_edge, hist_quantiles
 from .advice import recommend
 
 if TYPE_CHECKING:
-    from ..plan import Plan
+    from ..engine.match import Match
 
 SCHEMA = "rlmerge.report"
 VERSION = 1
@@ -52,15 +52,15 @@ class DtypeFacts:
     differs: list[int]  # per agent: elements stored in another dtype than the base's copy
 
 
-def dtype_facts(plan: Plan) -> DtypeFacts:
-    """Read from the plan's headers only."""
+def dtype_facts(match: Match) -> DtypeFacts:
+    """Read from the jobs' headers only."""
     base: dict[str, int] = {}
-    agents: list[dict[str, int]] = [{} for _ in plan.agents]
-    differs = [0] * len(plan.agents)
-    for job in plan.merge_jobs:
+    agents: list[dict[str, int]] = [{} for _ in match.agents]
+    differs = [0] * len(match.agents)
+    for job in match.merge_jobs:
         name = job.info.dtype.code
         base[name] = base.get(name, 0) + job.numel
-        for t, agent in enumerate(plan.agents):
+        for t, agent in enumerate(match.agents):
             info = agent.tensors.get(job.name)
             if info is None:
                 continue
@@ -86,10 +86,10 @@ def layer_index(name: str) -> int | None:
 
 
 def num(x: float | None) -> float | str | None:
-    """JSON has no infinity: ∞ is written as the string "inf"."""
-    if x is None:
+    """A number for JSON, which has no infinity and no NaN: ±∞ are written "inf" / "-inf", NaN as null."""
+    if x is None or math.isnan(x):
         return None
-    return "inf" if math.isinf(x) else float(x)
+    return ("inf" if x > 0 else "-inf") if math.isinf(x) else float(x)
 
 
 def _g(x: float) -> float:
@@ -115,7 +115,7 @@ def build_report(stats: Statistics, facts: DtypeFacts | None, *, base: str,
         "modules": _groups(stats, module_type, "module"),
         "precision": _precision(stats.magnitudes, facts, stats.epsilon),
     }
-    doc["warnings"] = list(warnings)  # the plan's (dtypes, tying, dropped tensors) and the method's
+    doc["warnings"] = list(warnings)  # the match's (dtypes, tying, dropped tensors) and the method's
     doc["recommendation"] = recommend(doc)
     return doc
 

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import __version__
+from .._version import __version__
 from ..errors import ConfigError
-from ..partial import owned_folder
+from ..io.partial import owned_folder
 from .tables import display_names
 
 if TYPE_CHECKING:

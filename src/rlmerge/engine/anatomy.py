@@ -1,6 +1,6 @@
 """``rlmerge.inspect``: the anatomy of RL task vectors, from one streaming statistics pass.
 
-The same pass as a two-pass merge (same plan, same blocks, same memory bound), with the extra counters
+The same pass as a two-pass merge (same match, same blocks, same memory bound), with the extra counters
 turned on: density at other thresholds, values changed at all, and |τ| / |θ₀| magnitude histograms.
 """
 
@@ -9,17 +9,19 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ._torch import torch
+from .._torch import torch
+from ..errors import ConfigError, RLMergeError, raise_all
+from ..io.open import open_all
+from ..io.partial import output_problems, write_file
+from ..methods import BlockContext
+from ..report import Report, build_report, dtype_facts
+from ..stats import Magnitudes, Statistics
+from .backends import Run, TorchBackend
 from .blocks import DEFAULT_BLOCK, BlockReader
-from .checkpoint import open_all
-from .errors import ConfigError, RLMergeError, raise_all
-from .merge import statistics_pass
-from .methods import BlockContext
-from .partial import output_problems, write_file
-from .plan import build_plan
+from .match import match_models
+from .passes import statistics_pass
 from .progress import Progress
-from .report import Report, build_report, dtype_facts
-from .stats import Magnitudes, Statistics
+from .route import route
 
 DEFAULT_THRESHOLDS = (1e-6, 1e-5, 1e-4, 1e-3)
 
@@ -66,15 +68,16 @@ def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
         if plots is not None:
             problems += output_problems(plots, models, force=force)
         raise_all(problems)
-        plan = build_plan(models[0], models[1:], allow_missing=allow_missing, count_tied_twice=count_tied_twice)
-        mags = Magnitudes(len(plan.agents))
-        stats = Statistics([a.label for a in plan.agents], float(epsilon), thresholds=extra, magnitudes=mags)
-        reader = BlockReader(plan, block_size=block_size, device=device)
+        match = match_models(models[0], models[1:], allow_missing=allow_missing, count_tied_twice=count_tied_twice)
+        mags = Magnitudes(len(match.agents))
+        stats = Statistics([a.label for a in match.agents], float(epsilon), thresholds=extra, magnitudes=mags)
+        run = Run(match, None, None, stats, observer=MagnitudeObserver(mags))  # type: ignore[arg-type]
+        chosen = route(match, None, None, device=device, block_size=block_size)  # no method: inspect
         with Progress(quiet=quiet) as progress:
-            statistics_pass(plan, reader, stats, progress, MagnitudeObserver(mags))
-        identical = [f"agent {a} is identical to the base (no element with |τ| > ε): it contributes nothing"
-                     for a, c in zip(stats.agents, stats.changed) if c == 0]
-        doc = build_report(stats, dtype_facts(plan), base=plan.base.label, warnings=[*plan.warnings, *identical])
+            statistics_pass(run, chosen, None, TorchBackend(run, BlockReader(match, block_size=block_size,
+                                                                            device=device)), progress)
+        doc = build_report(stats, dtype_facts(match), base=match.base.label,
+                           warnings=[*match.warnings, *stats.identical_agents()])
         report = Report(doc, stats)
         if save is not None:
             write_file(save, report.to_json().encode(), force=force, inputs=models)

@@ -38,21 +38,33 @@ def _dec_ov(v):  # type: ignore[no-untyped-def]
         return lambda v: v
     return None
 
+# float32 → the stored output dtype, as torch's .to(), written once as source: the fused kernel writes it into its
+# generated loop (fused.py), and the ``_put`` overload below is compiled from the same text. bfloat16: round to
+# nearest, ties to even (c10::BFloat16 round_to_nearest_even); NaN → torch's canonical 0x7FC0. Arithmetic, not
+# ``if``: numba's IR inliner miscompiled a conditional expression inside an inlined function.
+PUT_SOURCE = {
+    "uint16": ("u = _f32_as_u32({v})\n"
+               "r = (u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16)\n"
+               "nan = np.uint32({v} != {v})\n"
+               "out[i] = np.uint16(r * (np.uint32(1) - nan) + np.uint32(0x7FC0) * nan)"),
+    "float32": "out[i] = {v}",
+}
+
+
+def put_lines(out_dtype: str, value: str, indent: str) -> str:
+    """``PUT_SOURCE`` for ``out_dtype`` storing ``value`` into ``out[i]``, indented."""
+    return "\n".join(indent + line for line in PUT_SOURCE[out_dtype].format(v=value).splitlines())
+
+
 def _put(out, i, v):  # type: ignore[no-untyped-def]  # float32 → output dtype, as torch's .to()
     raise NotImplementedError
 
+
 @overload(_put, inline="always")
 def _put_ov(out, i, v):  # type: ignore[no-untyped-def]
-    if out.dtype == types.uint16:
-        def put_bf16(out, i, v):  # type: ignore[no-untyped-def]
-            # round to nearest, ties to even (c10::BFloat16 round_to_nearest_even); NaN → torch's canonical 0x7FC0
-            u = _f32_as_u32(v)
-            r = (u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16)
-            nan = np.uint32(v != v)
-            out[i] = np.uint16(r * (np.uint32(1) - nan) + np.uint32(0x7FC0) * nan)
-        return put_bf16
-    if out.dtype == types.float32:
-        def put_f32(out, i, v):  # type: ignore[no-untyped-def]
-            out[i] = v
-        return put_f32
-    return None
+    name = str(out.dtype)
+    if name not in PUT_SOURCE:
+        return None
+    scope = {"np": np, "_f32_as_u32": _f32_as_u32}
+    exec(f"def put(out, i, v):\n{put_lines(name, 'v', '    ')}\n", scope)  # noqa: S102 the text above
+    return scope["put"]

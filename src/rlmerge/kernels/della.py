@@ -1,18 +1,8 @@
-"""numba kernels for DELLA's MagPrune (della, della_linear): the rank of |τ| in its row, and each element's keep
-probability from it, exactly as methods/_ops.row_ranks and methods/gta.prune_block compute them.
+"""numba kernels for DELLA's MagPrune: the rank of |τ| in its row and each element's keep probability, as
+methods/_ops.row_ranks and methods/gta.prune_block compute them.
 
-A row's ranks are a stable ascending order of |τ| (ties by position). |τ| = 0 is the smallest value, so a zero's
-rank is the number of zeros before it, and only the nonzeros (3–55 % of an RL task vector) are sorted. Their sort
-keys are the uint32 bits of |τ|, which order like the values. The sort is a counting sort on a coarse digit,
-(key − min) >> s with s the smallest shift that leaves at most max(2 · nonzeros, 256) bins, which is stable and
-leaves equal keys in position order; an adaptive insertion sort then orders each bin's keys (usually a few,
-often equal: τ of bf16 weights take few distinct values). A row where that would move too much (one huge |τ|
-squeezing the rest into one bin) is radix-sorted instead (LSD, 8-bit digits, digits all keys share skipped).
-Measured on the 0.5B set's rows (896 elements, 54 % nonzero): ~6 ns per element, against 11–13 for the radix
-sort alone and 32–37 for numba's stable argsort.
-
-The keep probability p = (density − ε) + (rank / (row − 1)) · 2ε is rounded as torch rounds it: each operation
-in float32, in that order (``probs``).
+A stable ascending rank (ties by position); zeros rank first without sorting, the nonzeros by a counting sort on a
+coarse digit of their bits and an insertion sort per bin, or an LSD radix sort when one bin would hold too much.
 """
 
 from __future__ import annotations
@@ -20,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._numba_kernels import _dec, _f32_as_u32
+from .codec import _dec, _f32_as_u32
 
 MIN_BINS = 256  # counting-sort bins at least (a sparse row with a wide range of |τ| gets this many)
 _ABS = np.uint32(0x7FFFFFFF)

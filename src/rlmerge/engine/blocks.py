@@ -14,10 +14,10 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ._torch import torch
-from .checkpoint import Checkpoint
-from .errors import ConfigError
-from .plan import Job, Plan
+from .._torch import torch
+from ..errors import ConfigError
+from ..io.checkpoint import Checkpoint
+from .match import Job, Match
 
 DEFAULT_BLOCK = 1 << 22  # elements per block: 16 MiB of float32 per buffer
 
@@ -84,13 +84,13 @@ class BlockReader:
     allocates them.
     """
 
-    def __init__(self, plan: Plan, *, block_size: int = DEFAULT_BLOCK, device: str = "cpu", rows: bool = False,
+    def __init__(self, match: Match, *, block_size: int = DEFAULT_BLOCK, device: str = "cpu", rows: bool = False,
                  extras: list[Checkpoint] | None = None) -> None:
         if block_size < 1:
             raise ValueError("block_size must be ≥ 1")
-        largest = max((j.numel for j in plan.merge_jobs), default=1)
+        largest = max((j.numel for j in match.merge_jobs), default=1)
         self.block_size = min(block_size, largest)
-        self.plan = plan
+        self.match = match
         self.device = device
         self.rows = rows  # blocks hold whole rows: a multiple of shape[1:], at least one row
         self.extras = extras
@@ -98,7 +98,7 @@ class BlockReader:
         pin_malloc_threshold()
 
     def _alloc(self, size: int) -> None:
-        n = len(self.plan.agents)
+        n = len(self.match.agents)
         self._base = torch.empty(size, dtype=torch.float32)
         self._agents = torch.empty((n, size), dtype=torch.float32)
         self._extra = torch.empty((n, size), dtype=torch.float32) if self.extras else None
@@ -111,24 +111,31 @@ class BlockReader:
         row = math.prod(shape[1:]) if len(shape) >= 2 else max(job.numel, 1)
         return max(row, self.block_size // row * row)
 
+    def bytes_of(self, job: Job, blk: Block) -> int:
+        """Stored bytes read for one block: the base's, each present agent's and each side input's."""
+        m = self.match
+        agents = sum(a.tensors[job.name].dtype.itemsize for a, here in zip(m.agents, job.present) if here)
+        extra = sum(x.tensors[job.name].dtype.itemsize for x in self.extras or ())
+        return blk.n * (job.info.dtype.itemsize + agents + extra)
+
     def spans(self, job: Job) -> Iterator[tuple[int, int]]:
         return spans(job.numel, self.step(job))
 
     def blocks(self, job: Job) -> Iterator[Block]:
-        plan = self.plan
+        match = self.match
         if self.step(job) > self._size:  # the first block, or one row larger than the block size: grow
             self._alloc(max(self.step(job), self.block_size))
         device = torch.device(self.device)
         for start, stop in self.spans(job):
             n = stop - start
-            base = plan.base.read_f32(job.name, start, stop, self._base)
+            base = match.base.read_f32(job.name, start, stop, self._base)
             extra = None
             if self.extras and self._extra is not None:
                 extra = self._extra[:, :n]
                 for t, ckpt in enumerate(self.extras):
                     ckpt.read_f32(job.name, start, stop, self._extra[t])
             deltas = self._agents[:, :n]
-            for t, (agent, present) in enumerate(zip(plan.agents, job.present)):
+            for t, (agent, present) in enumerate(zip(match.agents, job.present)):
                 own_delta = getattr(agent, "read_delta_f32", None)  # an agent that supplies τ itself (LoRA)
                 if present and own_delta is not None:
                     own_delta(job.name, start, stop, base, self._agents[t])

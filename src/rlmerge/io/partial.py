@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import OutputError, RLMergeError, raise_all
 from .checkpoint import SIDE_FILES, Checkpoint
-from .errors import OutputError, RLMergeError, raise_all
 
 try:
     import fcntl

@@ -2,7 +2,7 @@
 
 Configuration (method, parameters against the number of agents, dtype, shard and block sizes, device, seed),
 the output location, every input checkpoint, the base/agent match, side inputs and memory. Problems are
-collected, not raised, so that ``plan`` can report them all at once; ``merge`` raises them together. What only
+collected, not raised, so that ``match`` can report them all at once; ``merge`` raises them together. What only
 the data can tell (NaN/Inf in a task vector, a copied tensor an agent changed, a value that overflows the output
 dtype) is found while merging, before the output is published.
 """
@@ -15,17 +15,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError, InputError, ProblemsError, RLMergeError, raise_all
+from ..io.checkpoint import Checkpoint
+from ..io.dtypes import BF16, F16, F32, DType, by_name
+from ..io.open import open_one
+from ..io.partial import output_problems
+from ..io.writer import parse_size
+from ..methods import MethodSpec, get_method, validate
 from . import budget
-from .blocks import device_type
+from .blocks import DEFAULT_BLOCK, device_type
 from .budget import MemoryEstimate, check_memory, estimate_memory
-from .checkpoint import Checkpoint, open_one
-from .dtypes import BF16, F16, F32, DType, by_name
-from .errors import ConfigError, InputError, ProblemsError, RLMergeError, raise_all
-from .fastpath import compute_threads
-from .methods import MethodSpec, get_method, validate
-from .partial import output_problems
-from .plan import Plan, build_plan
-from .writer import parse_size
+from .fast import compute_threads
+from .match import Match, match_models
+from .route import Route, route
 
 OUT_DTYPES = (BF16, F16, F32)  # what --dtype may ask for
 
@@ -74,7 +76,8 @@ class Preflight:
     base: Checkpoint | None = None
     agents: list[Checkpoint | None] = field(default_factory=list)
     extras: list[Checkpoint | None] = field(default_factory=list)
-    plan: Plan | None = None
+    match: Match | None = None
+    route: Route | None = None
     memory: MemoryEstimate | None = None
     available: int | None = None
     problems: list[RLMergeError] = field(default_factory=list)
@@ -122,21 +125,34 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
                                    file=str(pf.base.side_dir),
                                    hint="copy the base model's config.json into that folder"))
     here = [a for a in pf.agents if a is not None]
-    pf.memory = estimate_memory(pf.base, [*here, *(x for x in pf.extras if x)], pf.block_size or 1 << 22,
-                                n_agents=len(agents) + len(extra_specs))
-    pf.available = budget.available_memory() if available is None else available
-    try:
-        check_memory(pf.memory, len(agents), pf.available)
-    except RLMergeError as e:
-        problems.append(e)
     # Agents that could not be opened are left out, so the others are still matched against the base.
     try:
-        pf.plan = build_plan(pf.base, here, dtype=pf.out_dtype, allow_missing=allow_missing,
-                             count_tied_twice=count_tied_twice)
+        pf.match = match_models(pf.base, here, dtype=pf.out_dtype, allow_missing=allow_missing,
+                                count_tied_twice=count_tied_twice)
         if all(pf.extras):
-            check_side_inputs(pf.plan, pf.extras)  # type: ignore[arg-type]
+            check_side_inputs(pf.match, pf.extras)  # type: ignore[arg-type]
     except RLMergeError as e:
         problems += [x for x in flat(e) if here or "no agents given" not in x.message]
+    block = pf.block_size or DEFAULT_BLOCK
+    n_mem = len(agents) + len(extra_specs)
+    configured = pf.spec is not None and pf.params is not None and not any(
+        isinstance(x, ConfigError) for x in problems)
+    if pf.match is not None and configured:
+        try:
+            pf.route = route(pf.match, pf.spec, pf.params, device=device, block_size=block,  # type: ignore[arg-type]
+                             extras=[x for x in pf.extras if x], agents=len(agents))
+        except RLMergeError as e:
+            problems += flat(e)
+    pf.memory = pf.route.memory if pf.route is not None else estimate_memory(
+        pf.base, [*here, *(x for x in pf.extras if x)], block, n_agents=n_mem)
+    pf.available = budget.available_memory() if available is None else available
+    try:
+        check_memory(pf.memory, len(agents), pf.available,
+                     fits=None if pf.route is None else lambda b: route(  # type: ignore[arg-type]
+                         pf.match, pf.spec, pf.params, device=device, block_size=b,
+                         extras=[x for x in pf.extras if x], agents=len(agents)).memory.total)
+    except RLMergeError as e:
+        problems.append(e)
     return pf
 
 
@@ -172,11 +188,11 @@ def _same_folder_twice(agents: Sequence[Checkpoint | None]) -> list[RLMergeError
     return problems
 
 
-def check_side_inputs(plan: Plan, extras: Sequence[Checkpoint]) -> None:
+def check_side_inputs(match: Match, extras: Sequence[Checkpoint]) -> None:
     """Every merged tensor must be in every side input (e.g. a Fisher file), with the base's shape."""
     problems: list[RLMergeError] = []
     for ckpt in extras:
-        for job in plan.merge_jobs:
+        for job in match.merge_jobs:
             info = ckpt.tensors.get(job.name)
             if info is None:
                 problems.append(InputError("tensor missing from the side input", file=str(ckpt.path),

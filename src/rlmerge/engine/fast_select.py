@@ -1,73 +1,59 @@
-"""TIES and Breadcrumbs on the fast path: exact |τ| thresholds from fused histograms, then a fused merge rule.
+"""TIES and Breadcrumbs on the numba block stream: exact |τ| thresholds from histograms, then the merge rule.
 
-The torch path (methods/gta.py) streams every tensor through a chain of torch ops once per round of the exact
-k-th largest |τ| (methods/_select.py), then once to merge. Here the same rounds run through numba kernels on
-the fast path's blocks (fastpath.py), and a tensor that fits in one block is read once: every selection round
-and the merge run on the block already in memory. ``ties_global`` needs the whole model's thresholds before the
-first element is merged, so its selection rounds are the statistics pass. The thresholds come from the same
-``GtaObserver`` (same ranks, same bins), so the bytes written are the torch path's (tests/test_fastgta.py).
+A tensor that fits in one block is read once (selected in memory); ``ties_global``'s thresholds are its
+statistics pass. The thresholds come from the torch path's ``GtaObserver``, so the bytes are the torch path's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import kernels
-from .fastpath import FastPath, OrderedWriter, eligible, enabled, next_block, statistics_pass_fast, stats_args
-from .methods import MethodSpec
-from .methods._ops import weight_sum
-from .methods._select import BINS, ROUNDS
-from .methods.gta import GtaObserver, _ranks
-from .methods.task_arithmetic import agent_weights
-from .plan import Job, Plan
-from .stats import Statistics, TensorStats
+from .. import kernels
+from ..io.writer import CheckpointWriter
+from ..methods._select import BINS, ROUNDS
+from ..methods.gta import GtaObserver, _ranks, combine_constants
+from ..stats import TensorStats
+from .fast import FastPath, next_block, statistics_pass_fast, stats_args, write_slot
+from .match import Job
 
-FAST_PRESETS = ("ties", "ties_global", "breadcrumbs", "breadcrumbs_ties")  # selection by magnitude, no L1 rescale
+if TYPE_CHECKING:
+    from .backends import Run
 
-
-def build(plan: Plan, spec: MethodSpec, p: Any, block_size: int, device: str, observer: Any,
-          extras: list[Any] | None, eps: float) -> GtaFast | None:
-    """A GtaFast when every merged tensor can take the fast path (thresholds for all or none of them)."""
-    if spec.name not in FAST_PRESETS or not enabled(device) or extras or not isinstance(observer, GtaObserver):
-        return None
-    if not plan.merge_jobs or not all(eligible(plan, j) for j in plan.merge_jobs):
-        return None
-    return GtaFast(FastPath(plan, block_size), observer, p, eps)
+SELECTING = ("magnitude", "magnitude-global", "outliers")  # the sparsify presets that keep a window of |τ|
 
 
-class GtaFast:
-    def __init__(self, fast: FastPath, observer: GtaObserver, params: Any, eps: float) -> None:
-        self.fast, self.obs = fast, observer
-        self.stats_args = stats_args(len(fast.plan.agents), eps)
-        preset = observer.preset
-        n = len(fast.plan.agents)
-        self.whole_model = preset.prune == "magnitude-global"
-        self.w = agent_weights(preset.summary.split(":")[0], params.weights, n)
-        div = weight_sum(self.w)  # methods/_ops.combine without a mask
-        self.elect = preset.sign_election
-        self.normalize = bool(preset.normalize if params.normalize is None else params.normalize)
-        self.div = div if abs(div) >= 1e-8 else np.float32(1.0)
-        self.scaling = np.float32(params.scaling)
-        self.apply_scaling = params.scaling != 1.0
+def selects(obs: GtaObserver, job: Job) -> bool:
+    """Whether a tensor needs thresholds of its own (per-tensor presets with a density below 1)."""
+    return obs.preset.prune != "magnitude-global" and any(
+        r for t in range(obs.n) for r in _ranks(obs.preset.prune, job.numel, obs.density[t], obs.gamma[t]))
+
+
+def select_reads(obs: GtaObserver, job: Job, block: int) -> int:
+    """Reads of ``job`` in the merge pass: one per selection round and one to merge, unless it fits in one
+    block (then it is read once and selected in memory)."""
+    return ROUNDS + 1 if selects(obs, job) and job.numel > block else 1
+
+
+class SelectBackend:
+    """TIES / Breadcrumbs on the numba path (backends.py has the interface)."""
+
+    def __init__(self, run: Run, fast: FastPath) -> None:
+        n = len(fast.match.agents)
+        observer = run.observer
+        assert isinstance(observer, GtaObserver)  # the route chose this backend for a selecting preset
+        self.run, self.fast, self.obs = run, fast, observer
+        self.c = combine_constants(run.spec.name, run.spec.sparsify, run.params, n)
+        self.stats_args = stats_args(n, run.stats.epsilon)
+        self.whole_model = observer.preset.prune == "magnitude-global"
         # round 0 per agent: sub-histograms of the digit, then the zeros; later rounds per query, spares past the end
         self.hist0 = np.zeros((fast.threads, n, kernels.SUBHISTS, BINS[0] + 1), dtype=np.int64)
         self.histq = np.zeros((fast.threads, 0, max(BINS[1:]) + 8), dtype=np.int64)
         self._numel = 0
 
-    # -- schedule ----------------------------------------------------------------------------------------
-    def _selects(self, job: Job) -> bool:
-        """Whether this tensor needs its own thresholds (per-tensor presets with a density below 1)."""
-        o = self.obs
-        return not self.whole_model and any(
-            r for t in range(o.n) for r in _ranks(o.preset.prune, job.numel, o.density[t], o.gamma[t]))
-
-    def passes(self, job: Job) -> int:
-        """Reads of ``job`` in the merge pass: one per selection round and one to merge, unless it fits in one
-        block (then it is read once)."""
-        return ROUNDS + 1 if self._selects(job) and job.numel > self.fast.block else 1
+    def reads(self, job: Job) -> int:
+        return select_reads(self.obs, job, self.fast.block)
 
     # -- the selection rounds --------------------------------------------------------------------------
     def _count(self, job: Job, start: int, base: np.ndarray, agents: Any) -> None:
@@ -102,7 +88,8 @@ class GtaFast:
         return self.obs.again(name)
 
     # -- the statistics pass (ties_global: both rounds over the whole model; else counts only) -------------
-    def statistics_pass(self, jobs: list[Job], stats: Statistics, bar: Any) -> None:
+    def statistics(self, jobs: list[Job], bar: Any) -> None:
+        stats = self.run.stats
         if not self.whole_model or not jobs:
             statistics_pass_fast(self.fast, jobs, stats, bar)
             return
@@ -116,20 +103,22 @@ class GtaFast:
                     break
 
     # -- the merge pass --------------------------------------------------------------------------------
-    def merge_job(self, blocks: Iterator[Any], job: Job, ts: TensorStats | None, out: OrderedWriter,
-                  bar: Any) -> None:
-        """All reads of one job (``passes(job)`` times its blocks): thresholds, then the fused merge."""
-        fast = self.fast
+    def begin_merge(self, jobs: list[Job]) -> None:
+        self._blocks = self.fast.blocks(jobs, self.reads)
+
+    def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
+        """All reads of one job (``reads(job)`` times its blocks): thresholds, then the fused merge."""
+        fast, blocks = self.fast, self._blocks
         nblocks = -(-job.numel // fast.block)
 
         def take() -> tuple[int, int, Any, np.ndarray, np.ndarray]:  # counted on the first read only
             return next_block(blocks, job, fast, ts if first_read else None, self.stats_args)
 
         first_read = True
-        selects = self._selects(job)
+        own = selects(self.obs, job)
         if not self.whole_model:
             self.obs.begin_tensor(job.name, job.numel)  # its ranks and default window
-        if self.passes(job) > 1:
+        if self.reads(job) > 1:
             selecting = True
             for _ in range(ROUNDS):  # each round fixes one more digit of every threshold
                 for _ in range(nblocks):
@@ -140,19 +129,20 @@ class GtaFast:
                 selecting = selecting and self._end_round(job.name)
         for _ in range(nblocks):
             start, stop, slot, base, agents = take()
-            if selects and self.passes(job) == 1:  # the whole tensor is this block: select in memory
+            if own and self.reads(job) == 1:  # the whole tensor is this block: select in memory
                 while True:
                     self._count(job, start, base, agents)
                     if not self._end_round(job.name):
                         break
             merged = fast.out_view(slot, job, stop - start)
             self._merge(job, base, agents, merged)
-            out.write_slot(slot, merged)
+            write_slot(out, slot, merged)
             bar.advance((stop - start) * job.out_dtype.itemsize)
 
     def _merge(self, job: Job, base: np.ndarray, agents: Any, merged: np.ndarray) -> None:
         keep_lo, keep_hi = (np.ascontiguousarray(r) for r in self.obs.window(job.name))
+        c = self.c
         self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_merge_range(
-            base, agents, lo, hi, keep_lo, keep_hi, self.w, self.elect, self.normalize, self.div, self.scaling,
-            self.apply_scaling, merged))
+            base, agents, lo, hi, keep_lo, keep_hi, c.w, c.elect, c.normalize, c.div, c.scaling, c.apply_scaling,
+            merged))
 

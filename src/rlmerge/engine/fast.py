@@ -1,24 +1,12 @@
-"""The fast path of both passes: fused kernels on the stored bytes, in place, with writes overlapped.
+"""The numba block stream: blocks viewed in the mapped inputs, split between compute threads, slots for output.
 
-A job takes the fast path when numba is installed, the device is the CPU, the method has a fused kernel
-(ram, ram+, task_arithmetic, linear, model_stock here; TIES/Breadcrumbs in fastgta.py, DARE in fastdare.py),
-every agent has the tensor, and base, agents and output are bfloat16 or float32 safetensors. Other jobs take
-the torch path (blocks.py + the method's kernel) in the same run. The bytes written are the same either way
-(tests/test_fastpath.py).
-
-Reading: a block is a view of the memory-mapped input files (mapping.py); the next block's pages are
-requested ahead and a finished block's handed back, so the resident set is bounded by the blocks in flight.
-A tensor that cannot be viewed in place (bytes not aligned to its dtype) is copied into a slot by a reader
-thread while the previous block is computed. Computing: each block is split between the compute threads
-(numba releases the GIL). Writing: a writer thread appends finished blocks to the output in order, from one
-of four output slots, so that computing does not wait on every write.
+Used by the numba backends (backends.py, fast_select.py, fast_random.py) for the tensors the route gives them;
+docs/architecture.md ("How the numba path works") has the design.
 """
 from __future__ import annotations
 
 import math
 import os
-import queue
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,21 +14,20 @@ from typing import Any
 
 import numpy as np
 
-from . import kernels
-from ._torch import torch
+from .. import kernels
+from .._torch import torch
+from ..errors import ConfigError
+from ..io.dtypes import BF16, F32, DType
+from ..io.mapping import DONTNEED, WILLNEED, Mapped
+from ..io.writer import CheckpointWriter
+from ..methods import MethodSpec
+from ..methods._ops import row_length
+from ..methods.rule import Program
+from ..stats import Statistics, TensorStats, check_finite
 from .blocks import device_type
-from .dtypes import BF16, F32, DType
-from .errors import ConfigError
-from .mapping import DONTNEED, WILLNEED, Mapped
-from .methods import MethodSpec
-from .methods.gta import _row
-from .plan import Job, Plan
-from .stats import Statistics, TensorStats, check_finite
+from .match import Job, Match
 
 STORED = {BF16: np.uint16, F32: np.float32}  # dtypes the kernels decode and encode
-FUSED = {"ram": kernels.MODE_RAM, "ram+": kernels.MODE_RAMPLUS, "task_arithmetic": kernels.MODE_TA,
-         "linear": kernels.MODE_LINEAR, "model_stock": kernels.MODE_STOCK}
-EXACT_GRAM = {"model_stock"}  # methods that merge with the Gram matrix: float64 products (see kernels.py)
 ALIGN_MAX = 1 << 20  # elements: a row-cut block may grow to lcm(row, TILE) up to this (see row_step)
 
 
@@ -64,57 +51,44 @@ def compute_threads() -> int:
 
 
 @dataclass(frozen=True)
-class KernelArgs:
-    """The constants one job's fused kernel needs, as float32 (the torch kernels' arithmetic)."""
+class RuleArgs:
+    """What one job's fused kernel runs: the method's traced rule (None: the statistics only), its constants for
+    the tensor (methods/rule.Program.arrays) and the statistics' threshold ε."""
 
-    mode: int
+    program: Program | None
+    consts: np.ndarray  # [C] float32
+    agent_consts: np.ndarray  # [A, N] float32
     eps: np.float32
-    lam: np.ndarray  # [N] float32, RAM+'s λ (MODE_RAMPLUS)
-    w: np.ndarray  # [N] float32
-    normalize: bool
-    div: np.float32  # 1 when not normalising
-    scaling: np.float32
 
 
-def kernel_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None, n: int,
-                eps: float) -> KernelArgs | None:
-    """None when the method has no fused kernel."""
-    from .methods.ram import rescale_factor
-    from .methods.task_arithmetic import _divisor, agent_weights
-
-    mode = FUSED.get(spec.name)
-    if mode is None:
-        return None
-    ones = np.ones(n, dtype=np.float32)
-    one = np.float32(1.0)
-    if spec.name == "ram+":
-        if p.preset == "tensor-local":
-            assert ts is not None  # the statistics pass ran (ram+ needs it)
-            lam = [rescale_factor(p, int(s), int(u)) for s, u in zip(ts.shared, ts.unique)]
-        else:
-            lam = list(prepared.lambdas)
-        return KernelArgs(mode, np.float32(p.epsilon), np.array(lam, dtype=np.float32), ones, False, one, one)
-    if spec.name == "ram":
-        return KernelArgs(mode, np.float32(p.epsilon), ones, ones, False, one, one)
-    if spec.name == "model_stock":
-        from .methods.model_stock import tensor_t
-
-        assert ts is not None  # the statistics pass ran (model_stock needs it)
-        return KernelArgs(mode, np.float32(eps), ones, ones, True, np.float32(n), tensor_t(ts.dots, n))
-    where = spec.name
-    w = agent_weights(where, p.weights, n)
-    div = _divisor(where, w) if p.normalize else one
-    scaling = np.float32(getattr(p, "scaling", 1.0))
-    return KernelArgs(mode, np.float32(eps), ones, w, bool(p.normalize), div, scaling)
+def rule_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None, n: int, eps: float,
+              name: str) -> RuleArgs:
+    """The fused kernel's arguments for tensor ``name`` of an elementwise method."""
+    prog = spec.program(p, n)
+    assert prog is not None  # the route sends only methods with a rule here
+    consts, agent_consts = prog.arrays(spec.values(p, prepared, ts, n, name))
+    return RuleArgs(prog, consts, agent_consts, np.float32(eps))
 
 
-def eligible(plan: Plan, job: Job) -> bool:
+def stats_args(n_agents: int, eps: float) -> RuleArgs:
+    return RuleArgs(None, np.zeros(0, dtype=np.float32), np.zeros((0, n_agents), dtype=np.float32), np.float32(eps))
+
+
+def eligible(match: Match, job: Job) -> bool:
     if job.kind != "merge" or not all(job.present) or job.out_dtype not in STORED or job.info.dtype not in STORED:
         return False
-    if any(m.format != "safetensors" for m in (plan.base, *plan.agents)):
+    if any(m.format != "safetensors" for m in (match.base, *match.agents)):
         return False
-    dtypes = {a.tensors[job.name].dtype for a in plan.agents}
-    return len(dtypes) == 1 and dtypes.pop() in STORED and len(plan.agents) <= kernels.MAX_AGENTS
+    dtypes = {a.tensors[job.name].dtype for a in match.agents}
+    return len(dtypes) == 1 and dtypes.pop() in STORED and len(match.agents) <= kernels.MAX_AGENTS
+
+
+def fast_block(match: Match, block_size: int) -> int:
+    """Elements per block on the numba path: a whole number of the kernels' tiles (tiles then sit at the same
+    offsets of a tensor whatever the block size and the number of threads, and so do the statistics' float32
+    partial sums), at most the largest merged tensor."""
+    block = -(-block_size // kernels.TILE) * kernels.TILE
+    return max(1, min(block, max((j.numel for j in match.merge_jobs), default=1)))
 
 
 def row_step(shape: tuple[int, ...], numel: int, block: int) -> int:
@@ -124,7 +98,7 @@ def row_step(shape: tuple[int, ...], numel: int, block: int) -> int:
     (kernels.py). At least one such unit, which may exceed ``block`` up to ALIGN_MAX; a row with a large odd
     factor, whose unit is larger still, is cut at rows only (its report may then differ in the last bits between
     block sizes; the merged bytes never do)."""
-    row = _row(shape)
+    row = row_length(shape)
     if numel <= block:
         return max(numel, 1)
     unit = math.lcm(row, kernels.TILE)
@@ -143,60 +117,18 @@ class _Slot:
         self.written: Future[None] | None = None  # the write of ``out`` still in flight
 
 
-class _WriteQueue:
-    """Calls run in submission order on one daemon thread.
-
-    A daemon thread and a bounded wait on abort: an interrupted merge (Ctrl-C, SIGTERM) must neither wait
-    for nor be kept alive by a write stuck on a slow disk; the interrupted output is partial anyway.
-    """
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._abort = False
-        self._thread = threading.Thread(target=self._loop, name="rlmerge-write", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._q.put((fut, fn, args))
-        return fut
-
-    def _loop(self) -> None:
-        failed: BaseException | None = None  # after a failed call, the later ones fail with its error
-        while (item := self._q.get()) is not None:
-            fut, fn, args = item
-            if self._abort:
-                fut.cancel()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            if failed is not None:
-                fut.set_exception(failed)
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # handed to whoever waits on the future
-                failed = e
-                fut.set_exception(e)
-
-    def close(self, *, abort: bool) -> None:
-        self._abort = abort
-        self._q.put(None)
-        self._thread.join(timeout=5.0 if abort else None)
-
-
 class FastPath:
-    """Runs the fused kernels over the eligible jobs of a plan; see the module docstring."""
+    """Runs the fused kernels over the eligible jobs of a match; see the module docstring."""
 
-    def __init__(self, plan: Plan, block_size: int, *, exact_gram: bool = False, rows: bool = False) -> None:
-        self.plan = plan
+    def __init__(self, match: Match, block_size: int, *, exact_gram: bool = False, rows: bool = False,
+                 on_read: Callable[[int], None] | None = None) -> None:
+        self.match = match
         self.exact_gram = exact_gram
         self.rows = rows  # blocks cut at row boundaries (``step``)
-        # a whole number of the kernels' tiles: tiles then sit at the same offsets of a tensor whatever the
-        # block size and the number of threads, and so do the statistics' float32 partial sums (kernels.py)
-        block = -(-block_size // kernels.TILE) * kernels.TILE
-        self.block = max(1, min(block, max((j.numel for j in plan.merge_jobs), default=1)))
-        n = len(plan.agents)
-        size = max((min(self.step(j), j.numel) for j in plan.merge_jobs), default=self.block) if rows else self.block
+        self.on_read = on_read  # told the bytes of every block read
+        self.block = fast_block(match, block_size)
+        n = len(match.agents)
+        size = max((min(self.step(j), j.numel) for j in match.merge_jobs), default=self.block) if rows else self.block
         self.slots = [_Slot(n, max(size, 1)) for _ in range(4)]
         self.threads = compute_threads()
         self.hist = np.zeros((self.threads, *kernels.hist_shape(n)), dtype=np.int64)  # per compute thread
@@ -205,18 +137,15 @@ class FastPath:
         self.mapped = Mapped()
         self._compute = ThreadPoolExecutor(self.threads, thread_name_prefix="rlmerge-compute")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="rlmerge-read")
-        self._writer = _WriteQueue()
-        self._last_write: Future[None] | None = None
 
     def step(self, job: Job) -> int:
         """Elements per block of ``job``: ``block``, or with ``rows`` whole rows and tiles (row_step)."""
         return row_step(job.info.shape, job.numel, self.block) if self.rows else self.block
 
-    def close(self, *, abort: bool = False) -> None:
-        """Stop the threads; ``abort`` (the merge failed or was interrupted) drops the queued writes."""
+    def close(self) -> None:
+        """Stop the threads and drop the mappings."""
         self._compute.shutdown(wait=True, cancel_futures=True)
         self._reader.shutdown(wait=True, cancel_futures=True)
-        self._writer.close(abort=abort)
         self.mapped.close()
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -224,20 +153,20 @@ class FastPath:
         """A copy of the block in ``slot``: base [n], agents [N, n] (read-only, like the mapped views)."""
         n = stop - start
         bdt = STORED[job.info.dtype]
-        adt = STORED[self.plan.agents[0].tensors[job.name].dtype]
+        adt = STORED[self.match.agents[0].tensors[job.name].dtype]
         size = np.dtype(adt).itemsize
         base = slot.base[: n * np.dtype(bdt).itemsize]
-        self.plan.base.read_into(job.name, start, stop, memoryview(base))
-        agents = slot.agents[: len(self.plan.agents) * n * size]
-        for t, a in enumerate(self.plan.agents):
+        self.match.base.read_into(job.name, start, stop, memoryview(base))
+        agents = slot.agents[: len(self.match.agents) * n * size]
+        for t, a in enumerate(self.match.agents):
             a.read_into(job.name, start, stop, memoryview(agents[t * n * size:(t + 1) * n * size]))
-        base, agents = base.view(bdt), agents.view(adt).reshape(len(self.plan.agents), n)
+        base, agents = base.view(bdt), agents.view(adt).reshape(len(self.match.agents), n)
         base.flags.writeable = agents.flags.writeable = False  # one kernel signature for copies and views
         return base, agents
 
     def _views(self, job: Job, start: int, stop: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]] | None:
         """The block viewed in the mapped files, or None when some tensor cannot be viewed in place."""
-        models = (self.plan.base, *self.plan.agents)
+        models = (self.match.base, *self.match.agents)
         views = [self.mapped.view(m, job.name, start, stop) for m in models]
         if any(v is None for v in views):
             return None
@@ -245,7 +174,7 @@ class FastPath:
 
     def _advise(self, job: Job, start: int, stop: int, advice: int) -> None:
         if advice:
-            for m in (self.plan.base, *self.plan.agents):
+            for m in (self.match.base, *self.match.agents):
                 self.mapped.advise(m, job.name, start, stop, advice)
 
     def blocks(self, jobs: list[Job], passes: Callable[[Job], int] | None = None,
@@ -275,21 +204,23 @@ class FastPath:
                 self._advise(*nxt, WILLNEED)
                 if self._views(*nxt) is None:  # a copy: read it while this block is computed
                     pending = self._reader.submit(self._read, self.slots[(k + 1) % 2], *nxt)
+            if self.on_read is not None:
+                self.on_read(views[0].nbytes + sum(a.nbytes for a in views[1]))
             yield job, start, stop, slot, views[0], views[1]
             self._advise(job, start, stop, DONTNEED)
 
     # -- computing -------------------------------------------------------------------------------------
-    def run(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, args: KernelArgs,
+    def run(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, args: RuleArgs,
             out: np.ndarray | None, ts: TensorStats | None) -> None:
         """The fused kernel on one block; statistics into ``ts`` when given (which also checks every τ)."""
         n = base.shape[0]
         if ts is not None:
             self.hist[:] = 0
             self.gram[:] = 0.0
-        mode = args.mode if out is not None else kernels.MODE_STATS
+        prog = args.program if out is not None else None
         dest = out if out is not None else self._dummy_out
         bad = self.parallel(n, lambda k, lo, hi: kernels.fused_range(
-            mode, base, agents, lo, hi, args.eps, args.lam, args.w, args.normalize, args.div, args.scaling, dest,
+            prog, base, agents, lo, hi, args.eps, args.consts, args.agent_consts, dest,
             self.hist[k] if ts is not None else None, self.gram[k] if ts is not None else None, self.exact_gram))
         if any(bad):
             self.raise_non_finite(job, start, base, agents)
@@ -317,40 +248,19 @@ class FastPath:
             return torch.from_numpy(np.array(a)).view(dtype.torch).float()
 
         b = f32(base, job.info.dtype)
-        deltas = f32(np.stack(agents), self.plan.agents[0].tensors[job.name].dtype) - b
-        files = [str(a.tensors[job.name].file) for a in self.plan.agents]
+        deltas = f32(np.stack(agents), self.match.agents[0].tensors[job.name].dtype) - b
+        files = [str(a.tensors[job.name].file) for a in self.match.agents]
         check_finite(deltas, torch.tensor([float("nan")]), name=job.name, files=files, start=start)
 
     def out_view(self, slot: _Slot, job: Job, n: int) -> np.ndarray:
         dt = STORED[job.out_dtype]
         return slot.out[: n * np.dtype(dt).itemsize].view(dt)
 
-    # -- writing, in order, on the writer thread -------------------------------------------------------
-    def submit_write(self, fn: Callable[..., None], *args: Any, slot: _Slot | None = None) -> None:
-        fut = self._writer.submit(fn, *args)
-        self._last_write = fut
-        if slot is not None:
-            slot.written = fut
-
-    def drain(self) -> None:
-        """Wait for every queued write (and raise its error, if any)."""
-        if self._last_write is not None:
-            self._last_write.result()
-        for s in self.slots:
-            if s.written is not None:
-                s.written.result()
-
-
-def stats_args(n_agents: int, eps: float) -> KernelArgs:
-    ones = np.ones(n_agents, dtype=np.float32)
-    one = np.float32(1.0)
-    return KernelArgs(kernels.MODE_STATS, np.float32(eps), ones, ones, False, one, one)
-
 
 def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar: Any,
                          also: Callable[[Job, int, np.ndarray, tuple[np.ndarray, ...]], None] | None = None) -> None:
     """The statistics of ``jobs`` (all eligible) through the fused kernel; ``also`` sees every block too."""
-    args = stats_args(len(fast.plan.agents), stats.epsilon)
+    args = stats_args(len(fast.match.agents), stats.epsilon)
     for job, start, stop, _slot, base, agents in fast.blocks(jobs):
         fast.run(job, start, base, agents, args, None, stats.for_tensor(job.name, job.numel, job.weight))
         if also is not None:
@@ -360,36 +270,8 @@ def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar
             bar.tensor_done()
 
 
-class OrderedWriter:
-    """The writer's begin/write in plan order: queued on the fast path's writer thread when there is one."""
-
-    def __init__(self, writer: Any, fast: FastPath | None) -> None:
-        self.writer = writer
-        self.fast = fast
-
-    def begin(self, job: Job) -> None:
-        if self.fast is None:
-            self.writer.begin(job)
-        else:
-            self.fast.submit_write(self.writer.begin, job)
-
-    def write_now(self, data: Any) -> None:
-        """Write data whose buffer the caller reuses next: everything queued goes first."""
-        if self.fast is not None:
-            self.fast.drain()
-        self.writer.write(data)
-
-    def write_slot(self, slot: _Slot, out: np.ndarray) -> None:
-        assert self.fast is not None
-        self.fast.submit_write(self.writer.write, memoryview(out.view(np.uint8)), slot=slot)
-
-    def drain(self) -> None:
-        if self.fast is not None:
-            self.fast.drain()
-
-
 def next_block(blocks: Iterator[Any], job: Job, fast: FastPath | None = None, ts: TensorStats | None = None,
-               args: KernelArgs | None = None) -> tuple[int, int, _Slot, np.ndarray, Any]:
+               args: RuleArgs | None = None) -> tuple[int, int, _Slot, np.ndarray, Any]:
     """The next block of ``blocks``, which must belong to ``job``: (start, stop, slot, base, agents); counted
     into ``ts`` by ``fast``'s statistics kernel (``args``: stats_args) when ``ts`` is given."""
     bjob, start, stop, slot, base, agents = next(blocks)
@@ -400,12 +282,17 @@ def next_block(blocks: Iterator[Any], job: Job, fast: FastPath | None = None, ts
     return start, stop, slot, base, agents
 
 
-def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: KernelArgs, ts: TensorStats | None,
-                   out: OrderedWriter, bar: Any) -> None:
+def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: RuleArgs, ts: TensorStats | None,
+                   out: CheckpointWriter, bar: Any) -> None:
     """All blocks of one eligible job: fused kernel, statistics into ``ts`` when given, queued write."""
     for _ in range(-(-job.numel // fast.step(job))):
         start, stop, slot, base, agents = next_block(blocks, job)
         merged = fast.out_view(slot, job, stop - start)
         fast.run(job, start, base, agents, args, merged, ts)
-        out.write_slot(slot, merged)
+        write_slot(out, slot, merged)
         bar.advance((stop - start) * job.out_dtype.itemsize)
+
+
+def write_slot(out: CheckpointWriter, slot: _Slot, merged: np.ndarray) -> None:
+    """Queue a slot's output; the slot is reused only once it is written (``FastPath.blocks`` waits)."""
+    slot.written = out.write_later(memoryview(merged.view(np.uint8)))

@@ -1,20 +1,8 @@
-"""Blocks of stored elements as numpy views of the file's pages: the fast path reads without copying.
+"""Blocks of stored elements as numpy views of the files' pages: the numba path reads without copying.
 
-Each safetensors input file is mapped once, read-only. A block is a view into the mapping, so the fused
-kernel reads the page cache directly instead of a copy ``preadv`` made first (on the benchmark machine the copy
-cost 0.6 s of a core per 4 GB pass, a third of a whole merge). Pages of a finished block are handed back
-(``MADV_DONTNEED``), so the resident set stays bounded by the blocks in flight and never grows with the model;
-the next block is announced (``MADV_WILLNEED``) so that the kernel reads it from disk in the background when
-it is not cached.
-
-Pages are handed back in whole folios: the page cache holds a file in folios of up to 2 MiB (Linux 6.x) and a
-fault maps every page of its folio, so a block's first fault re-maps the tail of the block released before it.
-Released page by page, that left 4 % of every input resident (160 MB of the 0.5B set at 256 K-element blocks),
-growing with the model.
-
-A file that shrinks under a mapping would kill the process with SIGBUS instead of raising an error; each
-view checks the file's size first, which turns the usual case (a file replaced or truncated before its block
-is read) into an ``InputError`` naming the file.
+Each file is mapped once, read-only; a finished block's pages are handed back in whole folios, the next block's
+requested ahead, so the resident set is bounded by the blocks in flight. A file that shrank is an InputError
+before its next block is viewed (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -27,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InputError
 from .checkpoint import Checkpoint, TensorInfo, descriptor_budget
-from .errors import InputError
 
 PAGE = mmap.ALLOCATIONGRANULARITY
 

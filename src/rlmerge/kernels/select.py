@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._numba_kernels import _dec, _f32_as_u32, _put
-from .kernels import TILE
+from .codec import _dec, _f32_as_u32, _put
+from .layout import TILE
 
 _ABS = np.uint32(0x7FFFFFFF)
 

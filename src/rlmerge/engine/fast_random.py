@@ -1,35 +1,28 @@
-"""DARE (dare_ta, dare_ties) and DELLA (della, della_linear) on the fast path: the torch path's random drop,
-rescale and merge in numba kernels.
+"""DARE and DELLA on the numba block stream: the torch path's random drop, rescale and merge, byte for byte.
 
-The torch path (methods/gta.py) draws each agent's keep mask with torch.rand per 65,536-element chunk and
-runs a chain of torch ops per block; with ``rescale: l1`` it streams the whole model once more first, for each
-tensor's Σ|τ| / Σ|kept τ|. Here the same random numbers come from a numba mt19937 (_numba_mt.py), the merge
-rule runs fused on the fast path's raw blocks (fastpath.py), and the L1 sums are taken per tensor inside the
-merge pass: a tensor that fits in one block is read once (sums, then merge, on the block in memory), a larger
-one twice. The bytes written are the torch path's (tests/test_fastdare.py).
-
-DELLA is DARE with a keep probability per element, from the rank of |τ| in its row (MagPrune): its blocks hold
-whole rows (``FastPath(rows=True)``) and the kernels take the row length (_numba_della.py ranks the rows); DARE
-passes row 0. Same bytes as the torch path (tests/test_fastdella.py).
+L1 sums are taken inside the merge pass (a tensor larger than a block is read twice); DELLA's blocks hold whole
+rows. docs/architecture.md has the design; tests/test_fastdare.py and test_fastdella.py the proof.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .fastpath import FastPath, OrderedWriter, eligible, enabled, next_block, statistics_pass_fast, stats_args
-from .methods import MethodSpec
-from .methods._l1 import CHUNK, l1_factors
-from .methods._ops import chunk_seed, weight_sum
-from .methods.gta import PRESETS, _row, per_agent
-from .methods.task_arithmetic import agent_weights
-from .plan import Job, Plan
-from .stats import Statistics, TensorStats
+from ..io.writer import CheckpointWriter
+from ..methods._l1 import CHUNK, l1_factors
+from ..methods._ops import chunk_seed, row_length
+from ..methods.gta import combine_constants, per_agent
+from ..stats import TensorStats
+from .fast import FastPath, next_block, statistics_pass_fast, stats_args, write_slot
+from .match import Job
 
-FAST_PRESETS = ("dare_ta", "dare_ties", "della", "della_linear")  # random drop; DELLA's from row ranks
+if TYPE_CHECKING:
+    from .backends import Run
+
+DRAWING = ("random", "magprune")  # the sparsify presets that draw their keep masks
 RESCALE = {"none": 0, "inverse": 1, "l1": 2}  # _numba_dare.RESCALE_*
 # ``l1``: the keep bits of a tensor, from its L1 sums, are kept for its merge (no second draw and ranking) when
 # they take at most this many bytes (N agents · numel / 8; the 0.5B set's embedding: 51 MB); a larger tensor
@@ -39,26 +32,16 @@ MASK_BYTES = 64 << 20
 
 def merge_range(*args: Any) -> bool:
     """The DARE / DELLA merge rule over [lo, hi) of one block (_numba_dare.merge_range); True: τ not finite."""
-    from ._numba_dare import merge_range as kernel
+    from ..kernels.dare import merge_range as kernel
 
     return bool(kernel(*args))
 
 
 def l1_range(*args: Any) -> bool:
     """The L1 sums' lanes over [lo, hi) of one block (_numba_dare.l1_range); True when τ is not finite."""
-    from ._numba_dare import l1_range as kernel
+    from ..kernels.dare import l1_range as kernel
 
     return bool(kernel(*args))
-
-
-def build(plan: Plan, spec: MethodSpec, p: Any, block_size: int, device: str, extras: list[Any] | None,
-          eps: float, seed: int) -> DareFast | None:
-    """A DareFast when every merged tensor can take the fast path."""
-    if spec.name not in FAST_PRESETS or not enabled(device) or extras:
-        return None
-    if not plan.merge_jobs or not all(eligible(plan, j) for j in plan.merge_jobs):
-        return None
-    return DareFast(FastPath(plan, block_size, rows=spec.row_blocks(p)), spec.name, p, eps, seed)
 
 
 def pieces(start: int, n: int, threads: int) -> list[tuple[int, int]]:
@@ -73,20 +56,24 @@ def pieces(start: int, n: int, threads: int) -> list[tuple[int, int]]:
     return list(zip(cuts, [*cuts[1:], n]))
 
 
-class DareFast:
+def random_reads(params: Any, job: Job, step: int) -> int:
+    """Reads of ``job`` in the merge pass: 2 (L1 sums, merge) for ``l1`` unless it fits in one block."""
+    return 2 if params.rescale == "l1" and job.numel > step else 1
+
+
+class RandomBackend:
     """The merge pass of dare_ta / dare_ties / della / della_linear on the fast path; the statistics pass is
     fastpath's."""
 
-    whole_model = False  # nothing is gathered over the whole model before merging (merge.py asks)
+    whole_model = False  # nothing is gathered over the whole model before merging
 
-    def __init__(self, fast: FastPath, name: str, params: Any, eps: float, seed: int) -> None:
-        preset = PRESETS[name]
-        n = len(fast.plan.agents)
-        self.fast, self.n, self.seed = fast, n, seed
-        self.stats_args = stats_args(n, eps)
-        self.w = agent_weights(preset.summary.split(":")[0], params.weights, n)  # as gta._merge
-        div = weight_sum(self.w)  # methods/_ops.combine without a mask
-        self.div = div if abs(div) >= 1e-8 else np.float32(1.0)
+    def __init__(self, run: Run, fast: FastPath) -> None:
+        n = len(fast.match.agents)
+        preset, params = run.spec.sparsify, run.params
+        self.run, self.fast, self.n, self.seed = run, fast, n, run.seed
+        self.params = params
+        self.c = combine_constants(run.spec.name, preset, params, n)
+        self.stats_args = stats_args(n, run.stats.epsilon)
         dens = np.array(per_agent(params.density, n, "gta", "density"), dtype=np.float32)
         self.magprune = preset.prune == "magprune"
         # the keep probability's terms as gta.prune_block rounds them: density − ε, 2ε (float32; DARE: ε = 0)
@@ -94,24 +81,19 @@ class DareFast:
         self.plo = dens - eps if self.magprune else dens
         self.p2e = np.float32(2.0) * eps
         self.rescale = RESCALE[params.rescale]
-        self.elect = preset.sign_election
-        self.normalize = bool(preset.normalize if params.normalize is None else params.normalize)
-        self.scaling = np.float32(params.scaling)
-        self.apply_scaling = params.scaling != 1.0
         self.ones = np.ones(n, dtype=np.float32)
         self.no_mask = np.empty((n, 0), dtype=np.uint8)
         self._bits = np.empty(0, dtype=np.uint8)  # reused by every tensor's keep bits
 
-    def passes(self, job: Job) -> int:
-        """Reads of ``job`` in the merge pass: 2 (L1 sums, merge) for ``l1`` unless it fits in one block."""
-        return 2 if self.rescale == RESCALE["l1"] and job.numel > self.fast.step(job) else 1
+    def reads(self, job: Job) -> int:
+        return random_reads(self.params, job, self.fast.step(job))
 
-    def statistics_pass(self, jobs: list[Job], stats: Statistics, bar: Any) -> None:
-        statistics_pass_fast(self.fast, jobs, stats, bar)  # a resumed run's counts; DARE itself needs none
+    def statistics(self, jobs: list[Job], bar: Any) -> None:
+        statistics_pass_fast(self.fast, jobs, self.run.stats, bar)  # a resumed run's counts; DARE needs none
 
     def _rowlen(self, job: Job) -> int:
-        """The kernels' ``row``: MagPrune's row length (gta._row: a 1-D tensor is one row), 0 for DARE."""
-        return _row(job.info.shape) if self.magprune else 0
+        """The kernels' ``row``: MagPrune's row length (a 1-D tensor is one row), 0 for DARE."""
+        return row_length(job.info.shape) if self.magprune else 0
 
     def _mask(self, job: Job) -> np.ndarray:
         """[N, ⌈numel / 8⌉] uint8 for the tensor's keep bits, or [N, 0] (none) above MASK_BYTES."""
@@ -136,10 +118,12 @@ class DareFast:
             self.fast.raise_non_finite(job, start, base, agents)
 
     # -- the merge pass --------------------------------------------------------------------------------
-    def merge_job(self, blocks: Iterator[Any], job: Job, ts: TensorStats | None, out: OrderedWriter,
-                  bar: Any) -> None:
-        """All reads of one job (``passes(job)`` times its blocks): L1 sums if asked, then the fused merge."""
-        fast = self.fast
+    def begin_merge(self, jobs: list[Job]) -> None:
+        self._blocks = self.fast.blocks(jobs, self.reads)
+
+    def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
+        """All reads of one job (``reads(job)`` times its blocks): L1 sums if asked, then the fused merge."""
+        fast, blocks = self.fast, self._blocks
         nblocks = -(-job.numel // fast.step(job))
         seeds = self._seeds(job)
 
@@ -149,7 +133,7 @@ class DareFast:
         first_read = True
         l1 = _L1Sums(self.n, self._mask(job)) if self.rescale == RESCALE["l1"] else None
         factor = self.ones
-        if l1 is not None and self.passes(job) == 2:
+        if l1 is not None and self.reads(job) == 2:
             for _ in range(nblocks):
                 start, stop, _slot, base, agents = take()
                 self._l1_block(job, start, stop, base, agents, seeds, l1)
@@ -157,24 +141,24 @@ class DareFast:
             factor = l1.factors()
         for _ in range(nblocks):
             start, stop, slot, base, agents = take()
-            if l1 is not None and self.passes(job) == 1:  # the whole tensor is this block
+            if l1 is not None and self.reads(job) == 1:  # the whole tensor is this block
                 self._l1_block(job, start, stop, base, agents, seeds, l1)
                 factor = l1.factors()
             merged = fast.out_view(slot, job, stop - start)
             self._merge_block(job, start, base, agents, seeds, factor, merged,
                               l1.bits if l1 is not None else self.no_mask)
-            out.write_slot(slot, merged)
+            write_slot(out, slot, merged)
             bar.advance((stop - start) * job.out_dtype.itemsize)
 
     def _merge_block(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                      factor: np.ndarray, merged: np.ndarray, mask: np.ndarray) -> None:
         self._threads(job, start, base, agents, lambda lo, hi: merge_range(
-            base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, self.rescale, factor, self.w,
-            self.elect, self.normalize, self.div, self.scaling, self.apply_scaling, merged, mask))
+            base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, self.rescale, factor, self.c.w,
+            self.c.elect, self.c.normalize, self.c.div, self.c.scaling, self.c.apply_scaling, merged, mask))
 
     def _l1_block(self, job: Job, start: int, stop: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                   l1: _L1Sums) -> None:
-        from ._numba_dare import fold
+        from ..kernels.dare import fold
 
         part = np.empty((2, self.n, (stop - 1) // CHUNK - start // CHUNK + 1, 8), dtype=np.float64)
         self._threads(job, start, base, agents, lambda lo, hi: l1_range(

@@ -12,12 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import RLMergeError
+from ..io.writer import DEFAULT_SHARD_SIZE, layout_shards
 from .blocks import DEFAULT_BLOCK
 from .budget import MemoryEstimate
-from .errors import RLMergeError
-from .plan import Plan
-from .preflight import Preflight, preflight
-from .writer import DEFAULT_SHARD_SIZE, layout_shards
+from .match import Match
+from .preflight import preflight
 
 
 @dataclass
@@ -27,7 +27,7 @@ class DryRun:
     method: str
     problems: list[RLMergeError] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    plan: Plan | None = None
+    match: Match | None = None
     passes: list[str] = field(default_factory=list)  # "statistics", "merge"
     read_bytes: int = 0  # over all passes
     write_bytes: int = 0
@@ -44,7 +44,7 @@ class DryRun:
         return {
             "ok": self.ok, "method": self.method, "passes": self.passes, "read_bytes": self.read_bytes,
             "write_bytes": self.write_bytes, "shards": self.shards,
-            "tensors": len(self.plan.jobs) if self.plan else None,
+            "tensors": len(self.match.jobs) if self.match else None,
             "peak_memory_bytes": mem.total if mem else None, "block": mem.block if mem else None,
             "mapped_bin_bytes": mem.mapped if mem else None, "available_memory_bytes": self.available_memory,
             "problems": [p.render() for p in self.problems], "warnings": self.warnings,
@@ -70,29 +70,12 @@ def dry_run(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
                    count_tied_twice=count_tied_twice, seed=seed, available=available)
     try:
         report = DryRun(method, problems=pf.problems, memory=pf.memory, available_memory=pf.available)
-        if pf.plan is not None:
-            _costs(report, pf.plan, _two_pass(pf), pf.shard_bytes or DEFAULT_SHARD_SIZE)
+        if pf.match is not None:
+            report.match, report.warnings = pf.match, list(pf.match.warnings)
+            report.write_bytes = pf.match.write_bytes
+            report.shards = len(layout_shards(pf.match.jobs, pf.shard_bytes or DEFAULT_SHARD_SIZE))
+        if pf.route is not None:  # what the merge will do: the route it will take
+            report.passes, report.read_bytes = pf.route.passes, pf.route.read_bytes
     finally:
         pf.close()
     return report
-
-
-def _two_pass(pf: Preflight) -> bool:
-    spec, p = pf.spec, pf.params
-    if spec is None or p is None or pf.plan is None:
-        return False
-    try:
-        return spec.needs_stats(p) or spec.observer(p, len(pf.plan.agents)) is not None
-    except RLMergeError:  # reported by the preflight already
-        return spec.needs_stats(p)
-
-
-def _costs(report: DryRun, plan: Plan, two_pass: bool, shard_bytes: int) -> None:
-    """Passes, bytes read over all of them (an observer asking for more passes reads more), bytes written."""
-    report.plan, report.warnings = plan, list(plan.warnings)
-    report.passes = ["statistics", "merge"] if two_pass else ["merge"]
-    stats_read = sum(j.info.nbytes + sum(a.tensors[j.name].nbytes for a, here in zip(plan.agents, j.present) if here)
-                     for j in plan.merge_jobs)
-    report.read_bytes = plan.read_bytes + (stats_read if two_pass else 0)
-    report.write_bytes = plan.write_bytes
-    report.shards = len(layout_shards(plan.jobs, shard_bytes))

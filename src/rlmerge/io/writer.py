@@ -1,6 +1,6 @@
 """The only module that creates files: safetensors shards written as a stream, side files, atomic rename.
 
-Shapes and dtypes are known from the plan, so each shard's header is written before its first byte of
+Shapes and dtypes are known from the match, so each shard's header is written before its first byte of
 data and the data follows tensor by tensor, block by block: nothing is held in memory. Everything goes
 into a hidden sibling folder (``partial.PartialDir``) that is renamed onto the output only when complete,
 so an interrupted run never leaves a folder that looks like a finished model.
@@ -13,17 +13,34 @@ import errno
 import functools
 import json
 import os
+import queue
 import re
 import sys
+import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from .errors import ConfigError, InputError
+from ..errors import ConfigError, InputError
+from .dtypes import DType
 from .partial import PartialDir, disk_error
-from .plan import Job
+
+
+class Job(Protocol):
+    """What the writer needs of a tensor to write (engine.match.Job has it): its name, shape, stored dtype, bytes."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def out_dtype(self) -> DType: ...
+    @property
+    def out_nbytes(self) -> int: ...
+
 
 DEFAULT_SHARD_SIZE = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 WRITEBACK_CHUNK = 32 << 20  # bytes: how often the disk is asked to start writing what is buffered
@@ -113,12 +130,53 @@ def shard_header(shard: Shard, metadata: dict[str, str]) -> bytes:
     entries: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for j in shard.jobs:
-        entries[j.name] = {"dtype": j.out_dtype.code, "shape": list(j.info.shape),
+        entries[j.name] = {"dtype": j.out_dtype.code, "shape": list(j.shape),
                            "data_offsets": [offset, offset + j.out_nbytes]}
         offset += j.out_nbytes
     body = json.dumps(entries, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
     return len(body).to_bytes(8, "little") + body
+
+
+class WriteQueue:
+    """Calls run in submission order on one daemon thread.
+
+    A daemon thread and a bounded wait on abort: an interrupted merge (Ctrl-C, SIGTERM) must neither wait
+    for nor be kept alive by a write stuck on a slow disk; the interrupted output is partial anyway.
+    """
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._abort = False
+        self._thread = threading.Thread(target=self._loop, name="rlmerge-write", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def _loop(self) -> None:
+        failed: BaseException | None = None  # after a failed call, the later ones fail with its error
+        while (item := self._q.get()) is not None:
+            fut, fn, args = item
+            if self._abort:
+                fut.cancel()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            if failed is not None:
+                fut.set_exception(failed)
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                failed = e
+                fut.set_exception(e)
+
+    def close(self, *, abort: bool) -> None:
+        self._abort = abort
+        self._q.put(None)
+        self._thread.join(timeout=5.0 if abort else None)
 
 
 class CheckpointWriter:
@@ -127,11 +185,15 @@ class CheckpointWriter:
     Each shard's CRC-32 is computed as it streams out; once complete it is fsynced and recorded in the partial
     folder's progress file, which is what ``--resume`` verifies. ``pending(jobs)`` is the jobs still to
     write: all of them, or those after the shards a resumed run kept.
+
+    Tensors are written in job order: ``start(job)`` then its bytes, with ``write_now`` (a buffer the caller
+    reuses next) or ``write_later`` (a buffer left untouched until the returned future is done). With
+    ``background=True`` the writes run on one writer thread, so computing does not wait on the disk.
     """
 
     def __init__(self, partial: PartialDir, jobs: Sequence[Job], *, shard_size: int = DEFAULT_SHARD_SIZE,
                  metadata: dict[str, str] | None = None, fingerprint: str = "", fsync: bool = True,
-                 identity: list[list[Any]] | None = None) -> None:
+                 identity: list[list[Any]] | None = None, background: bool = False) -> None:
         self.partial = partial
         self.fsync = fsync  # False: the OS writes the shards back when it likes (see merge(fsync=))
         self.output = partial.output
@@ -149,6 +211,9 @@ class CheckpointWriter:
         self._written = 0  # bytes of the current shard written so far …
         self._flushed = 0  # … and of those, handed to the disk (writeback started)
         self._remaining = 0  # bytes still owed to the current tensor
+        self._background = background
+        self._queue: WriteQueue | None = None
+        self._last: Future[Any] | None = None
 
     def __enter__(self) -> CheckpointWriter:
         kept = self.partial.start(self.fingerprint, [s.filename for s in self.shards], self.identity)
@@ -161,19 +226,52 @@ class CheckpointWriter:
                     _reserve(fh.fileno(), len(shard_header(shard, self.metadata)) + shard.nbytes)
             except OSError as e:
                 raise disk_error(e, path) from e
+        if self._background:
+            self._queue = WriteQueue()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._queue is not None:  # an interrupted merge drops the queued writes: its output is partial anyway
+            self._queue.close(abort=exc_type is not None)
+            self._queue = None
         if self._fh is not None:
             self._fh.close()
             self._fh = None
 
     def pending(self, jobs: Sequence[Job]) -> list[Job]:
-        """The jobs not yet written (a resumed run skips the shards it kept), in plan order."""
+        """The jobs not yet written (a resumed run skips the shards it kept), in job order."""
         done = set(self._order[:self._next])
         return [j for j in jobs if j.name not in done]
 
-    # -- tensor data, in plan order --------------------------------------------------------------------
+    # -- in job order, on the writer thread when there is one ------------------------------------------
+    def start(self, job: Job) -> None:
+        """The next tensor begins (queued behind the writes before it)."""
+        if self._queue is None:
+            self.begin(job)
+        else:
+            self._last = self._queue.submit(self.begin, job)
+
+    def write_now(self, data: memoryview) -> None:
+        """Write bytes whose buffer the caller reuses next: everything queued goes first."""
+        self.drain()
+        self.write(data)
+
+    def write_later(self, data: memoryview) -> Future[Any]:
+        """Queue bytes whose buffer stays untouched until the returned future is done."""
+        if self._queue is None:
+            fut: Future[Any] = Future()
+            self.write(data)
+            fut.set_result(None)
+            return fut
+        self._last = self._queue.submit(self.write, data)
+        return self._last
+
+    def drain(self) -> None:
+        """Wait for every queued write (and raise its error, if any)."""
+        if self._last is not None:
+            self._last.result()
+
+    # -- tensor data, in job order --------------------------------------------------------------------
     def begin(self, job: Job) -> None:
         if self._next >= len(self._order) or self._order[self._next] != job.name:
             raise RuntimeError(f"writer expected {self._order[self._next:self._next + 1]}, got {job.name}")
@@ -246,6 +344,7 @@ class CheckpointWriter:
 
     def finish(self, manifest: dict[str, Any]) -> Path:
         """Close the last shard, write the index, and publish with ``rlmerge.json`` = ``manifest`` + file list."""
+        self.drain()
         if self._next != len(self._order) or self._remaining:
             raise RuntimeError("not every tensor was written")
         self._close_shard()

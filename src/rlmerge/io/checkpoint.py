@@ -14,7 +14,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
@@ -22,12 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._torch import torch
+from .._torch import torch
+from ..errors import InputError
 from .dtypes import DTYPES, FLOAT_DTYPES, DType, from_torch
-from .errors import InputError, RLMergeError, raise_all
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; a larger header is a memory bomb
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 SIDE_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
@@ -229,7 +227,7 @@ class Checkpoint:
         self.header_bytes: dict[Path, bytes] = {}
         self.format = ""
         self.side_dir = path  # where config.json and the tokenizer files live (verl: actor/huggingface)
-        self.notes: list[str] = []  # what the reader did that a user should know (the plan reports them)
+        self.notes: list[str] = []  # what the reader did that a user should know (the match reports them)
         self._bin: dict[Path, dict[str, torch.Tensor]] = {}
         self._scratch = bytearray()
         self.roots = _allowed_roots(path)
@@ -332,6 +330,10 @@ class Checkpoint:
         self._bin[f] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         return {k: TensorInfo(k, _bin_dtype(f, k, v), tuple(v.shape), f) for k, v in self._bin[f].items()}
 
+    def alias(self, name: str, stored: str) -> None:
+        """Read tensor ``name`` from the stored tensor ``stored`` (a tied checkpoint's lm_head is its embedding)."""
+        self.tensors[name] = self.tensors[stored]
+
     @property
     def files(self) -> list[Path]:
         return list(dict.fromkeys(t.file for t in self.tensors.values()))
@@ -350,7 +352,7 @@ class Checkpoint:
         if n == 0:  # torch.frombuffer refuses empty buffers; an empty tensor has nothing to read
             return dst
         if self.format == "bin":
-            dst.copy_(self._bin[info.file][name].reshape(-1)[start:stop])
+            dst.copy_(self._bin[info.file][info.name].reshape(-1)[start:stop])
             return dst
         dst.copy_(torch.frombuffer(self._read_bytes(info, start, stop), dtype=info.dtype.torch, count=n))
         return dst
@@ -359,7 +361,7 @@ class Checkpoint:
         """Stored bytes of flat elements [start, stop) (valid until the next read)."""
         info = self.tensors[name]
         if self.format == "bin":
-            t = self._bin[info.file][name].reshape(-1)[start:stop].contiguous()
+            t = self._bin[info.file][info.name].reshape(-1)[start:stop].contiguous()
             return memoryview(t.view(torch.uint8).numpy()).cast("B")
         return self._read_bytes(info, start, stop)
 
@@ -419,63 +421,3 @@ def _allowed_roots(folder: Path) -> list[Path]:
     if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
         roots.append(root.parent.parent / "blobs")
     return roots
-
-
-def resolve(spec: str | os.PathLike[str]) -> tuple[Path, str | None]:
-    """A local folder, or a hub id ``org/name[@revision]`` fetched (or found offline) with huggingface_hub."""
-    text = str(spec)
-    p = Path(text).expanduser()
-    if p.exists():
-        if not p.is_dir():
-            raise InputError("expected a model folder, got a file", file=text,
-                             hint="pass the folder that holds config.json and the weights")
-        return p, None
-    if not HUB_ID.match(text) or text.startswith((".", "/", "~")):
-        raise InputError("no such folder", file=text, hint="check the path")
-    parent = p.parent
-    if parent.is_dir():  # ``ck/agent9`` where ck/ exists: a local path with a typo, not a hub id
-        raise InputError(f"no such folder (read as a local path, not a hub id, because the folder {parent}/ "
-                         "exists here)", file=text,
-                         hint=f"check the path; to fetch the hub model {text!r}, run from a folder that has no "
-                              f"{parent}/ in it")
-    repo, _, rev = text.partition("@")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.constants import HF_HUB_OFFLINE
-
-    patterns = ["*.safetensors", "*.json", "*.bin", "*.txt", "*.model", "*.jinja"]
-    try:
-        local = snapshot_download(repo, revision=rev or None, allow_patterns=patterns,
-                                  local_files_only=bool(HF_HUB_OFFLINE))
-    except Exception as e:  # hub errors: offline, not found, gated, network — all need the user
-        how = ("HF_HUB_OFFLINE is set and it is not in the local cache" if HF_HUB_OFFLINE
-               else f"{type(e).__name__}: {e}")
-        raise InputError(f"cannot fetch hub model {repo!r}{'@' + rev if rev else ''}: {how}", file=text,
-                         hint="download it first (huggingface-cli download) or pass a local folder") from e
-    return Path(local), rev or None
-
-
-def open_one(spec: str | os.PathLike[str]) -> Checkpoint:
-    """Resolve (a folder or a hub id) and open one model, headers only."""
-    path, rev = resolve(spec)
-    return open_checkpoint(path, label=str(spec), revision=rev)
-
-
-def open_checkpoint(path: Path, *, label: str | None = None, revision: str | None = None) -> Checkpoint:
-    """The reader for whatever ``path`` holds: a Hugging Face folder, verl FSDP shards, a PEFT LoRA adapter
-    (io/layouts.py says how each is recognised, and refuses the layouts rlmerge cannot read)."""
-    from .io.layouts import open_layout  # the io readers subclass Checkpoint: import them late
-
-    return open_layout(path, label=label, revision=revision)
-
-
-def open_all(specs: list[str | os.PathLike[str]]) -> list[Checkpoint]:
-    """Resolve and open every model, collecting all problems before failing."""
-    out: list[Checkpoint] = []
-    problems: list[RLMergeError] = []
-    for s in specs:
-        try:
-            out.append(open_one(s))
-        except RLMergeError as e:
-            problems.append(e)
-    raise_all(problems)
-    return out

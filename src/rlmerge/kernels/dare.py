@@ -1,21 +1,8 @@
-"""numba kernels for DARE and DELLA (dare_ta, dare_ties, della, della_linear; see fastdare.py): the random drop,
-the L1 sums, the merge rule.
+"""numba kernels for DARE and DELLA: the random drop (mt.py's streams, per chunk), the L1 sums, the merge rule.
 
-The keep test draws the torch path's random numbers (_numba_mt.py: at::mt19937 and torch.rand's float32
-conversion, bit for bit): one stream per (seed, agent, tensor, 65,536-element chunk), as methods/_ops.uniform.
-A block is cut into *pieces*, its parts inside one chunk; a thread runs whole pieces, seeding each agent's
-stream at the piece's chunk and skipping to the piece's first element. The merge kernel then does
-methods/gta.py's rule element by element: τ · keep, the rescale (÷ density, × the tensor's L1 factor, or
-none), · w_t, and the combine step shared with TIES (_numba_gta.combine_tile). The L1 kernel sums |τ| and
-|kept τ| per agent in methods/_l1.py's fixed order (8 sequential lanes per chunk), which the torch path
-follows too. Every float32 operation is the torch path's, in its order, with no fast-math: the bytes
-written are identical (tests/test_fastdare.py, tests/test_fastdella.py).
-
-DELLA is DARE with a keep probability per element: ``row`` > 0 asks for MagPrune's, from the rank of |τ| in its
-row (_numba_della.py). The block then holds whole rows; the kernels rank a *span* of whole rows (one row, or
-as many as fit in a tile) for every agent when a tile first enters it, and cut tiles at span ends. A piece that
-starts or ends inside a row ranks that row again (at most one row per thread and block). ``row`` = 0 is DARE:
-p is the agent's density for every element.
+Every float32 operation is the torch path's, in its order, with no fast-math (tests/test_fastdare.py and
+test_fastdella.py compare the bytes). ``row`` > 0 asks for DELLA's keep probability from the rank of |τ| in its
+row (della.py); 0 is DARE.
 """
 
 from __future__ import annotations
@@ -23,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import _numba_mt as mt
-from ._numba_della import probs, rank_span, scratch
-from ._numba_gta import combine_tile
-from ._numba_kernels import _dec
-from .kernels import TILE
+from ..methods._ops import RNG_CHUNK as CHUNK
+from . import mt
+from .codec import _dec
+from .della import probs, rank_span, scratch
+from .layout import TILE
+from .select import combine_tile
 
-CHUNK = 1 << 16  # methods/_ops.RNG_CHUNK and methods/_l1.CHUNK (tests/test_fastdare.py checks)
 RESCALE_NONE, RESCALE_INVERSE, RESCALE_L1 = 0, 1, 2
 _CHUNK = np.uint64(CHUNK)
 _SEVEN = np.uint64(7)

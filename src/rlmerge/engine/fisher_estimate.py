@@ -20,14 +20,15 @@ from typing import Any
 
 import torch
 
-from . import __version__
+from .._version import __version__
+from ..errors import ConfigError, InputError
+from ..io.checkpoint import TensorInfo
+from ..io.dtypes import F32
+from ..io.open import resolve
+from ..io.partial import PartialDir, check_output
+from ..io.writer import CheckpointWriter
 from .blocks import tensor_bytes
-from .checkpoint import TensorInfo, resolve
-from .dtypes import F32
-from .errors import ConfigError, InputError
-from .partial import PartialDir, check_output
-from .plan import Job
-from .writer import CheckpointWriter
+from .match import Job
 
 
 @dataclass(frozen=True)

@@ -7,21 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
-from .checkpoint import Checkpoint
+from .._version import __version__
+from ..io.checkpoint import Checkpoint
+from .data import num
 
 if TYPE_CHECKING:
-    from .merge import MergeResult
-    from .plan import Plan
-
-
-def _num(x: float) -> float | str:
-    """JSON has no infinity: ∞ is written as the string "inf"."""
-    return "inf" if math.isinf(x) else float(x)
+    from ..engine.match import Match
+    from ..engine.merge import MergeResult
 
 
 def _files(ckpt: Checkpoint) -> list[dict[str, Any]]:
@@ -52,14 +47,14 @@ def agent_rows(result: MergeResult) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"agent": label}
         if stats.tensors:
             row.update(changed=int(stats.changed[t]), shared=int(stats.shared[t]), unique=int(stats.unique[t]),
-                       density=float(stats.changed[t]) / numel, rho=_num(stats.rho[t]))
+                       density=float(stats.changed[t]) / numel, rho=num(stats.rho[t]))
         if result.lambdas is not None:
             row["lambda"] = float(result.lambdas[t])
         rows.append(row)
     return rows
 
 
-def provenance(plan: Plan, result: MergeResult, recipe: Mapping[str, Any] | None) -> dict[str, Any]:
+def provenance(match: Match, result: MergeResult, recipe: Mapping[str, Any] | None) -> dict[str, Any]:
     """``rlmerge.json``'s content (the writer adds the list of files it wrote)."""
     params = dataclasses.asdict(result.params) if dataclasses.is_dataclass(result.params) else {}
     doc = {
@@ -68,24 +63,24 @@ def provenance(plan: Plan, result: MergeResult, recipe: Mapping[str, Any] | None
         "parameters": params,
         "epsilon": result.statistics.epsilon,
         "recipe": dict(recipe) if recipe else None,
-        "inputs": [_input("base", plan.base), *(_input("agent", a) for a in plan.agents)],
-        "output_dtypes": sorted({str(j.out_dtype).removeprefix("torch.") for j in plan.jobs}),
+        "inputs": [_input("base", match.base), *(_input("agent", a) for a in match.agents)],
+        "output_dtypes": sorted({str(j.out_dtype).removeprefix("torch.") for j in match.jobs}),
         "agents": agent_rows(result),
         "elements": result.statistics.numel,
-        "tied_tensors": plan.tied,
-        "dropped_tensors": plan.dropped,
-        "missing_tensors_allowed": plan.missing,
+        "tied_tensors": match.tied,
+        "dropped_tensors": match.dropped,
+        "missing_tensors_allowed": match.missing,
         "warnings": result.warnings,
     }
     return doc
 
 
-def model_card(plan: Plan, result: MergeResult) -> str:
+def model_card(match: Match, result: MergeResult) -> str:
     tags = ["merge", "rlmerge", result.method]
-    lines = ["---", f"base_model: {plan.base.label}", "base_model_relation: merge", "library_name: transformers",
+    lines = ["---", f"base_model: {match.base.label}", "base_model_relation: merge", "library_name: transformers",
              "tags:", *(f"- {t}" for t in tags), "---", "",
              f"# Merged with rlmerge ({result.method})", "",
-             f"Base model: `{plan.base.label}`. Agents merged: {len(plan.agents)}.", ""]
+             f"Base model: `{match.base.label}`. Agents merged: {len(match.agents)}.", ""]
     params = dataclasses.asdict(result.params) if dataclasses.is_dataclass(result.params) else {}
     if params:
         lines += ["Parameters: " + ", ".join(f"`{k}={v}`" for k, v in params.items()), ""]

@@ -1,0 +1,179 @@
+"""The backends that run a merge's two passes, behind one interface; ``route`` says which runs which tensor.
+
+- ``TorchBackend``: float32 blocks read into reused buffers (blocks.py) and the method's torch reference (any
+  method, input, device);
+- ``FusedBackend``: the numba block stream (fast.py) and the method's elementwise rule compiled
+  (kernels/fused.py);
+- ``SelectBackend`` (fast_select.py): TIES / Breadcrumbs thresholds and merge on the numba block stream;
+- ``RandomBackend`` (fast_random.py): DARE / DELLA on the numba block stream.
+
+Each backend counts a tensor's statistics (``statistics``), and merges it (``begin_merge`` with the tensors it
+will merge, in order, then ``merge_job`` for each), writing through the checkpoint writer in job order. They
+write the same bytes (the golden matrix, tests/test_golden.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .._torch import torch
+from ..io.checkpoint import Checkpoint
+from ..io.writer import CheckpointWriter
+from ..methods import BlockContext, MethodSpec
+from ..stats import Statistics, TensorStats, check_finite
+from .blocks import Block, BlockReader, tensor_bytes
+from .fast import FastPath, merge_job_fast, rule_args, statistics_pass_fast
+from .fast_random import RandomBackend
+from .fast_select import SelectBackend
+from .match import Job, Match
+from .route import Route
+
+
+@dataclass
+class Run:
+    """What the passes share: the inputs, the method, the statistics being gathered, and what prepare() made."""
+
+    match: Match
+    spec: MethodSpec
+    params: Any
+    stats: Statistics
+    seed: int = 0
+    observer: Any = None  # the method's statistics observer (spec.observer), if it has one
+    extras: list[Checkpoint] = field(default_factory=list)  # per-agent side inputs (Fisher diagonals)
+    prepared: Any = None  # spec.prepare's constants, set between the passes
+    read_bytes: int = 0  # what the passes read, as they read it
+
+    def context(self, job: Job, blk: Block, prepared: Any) -> BlockContext:
+        return BlockContext(job.name, blk.start, blk.stop, job.info.shape, job.present, prepared,
+                            self.stats.tensors.get(job.name), self.seed, blk.extra)
+
+
+class Backend(Protocol):
+    fast: FastPath | None  # the numba block stream it runs on, if any (its threads stop with the merge)
+
+    def reads(self, job: Job) -> int: ...
+    def statistics(self, jobs: list[Job], bar: Any) -> None: ...
+    def begin_merge(self, jobs: list[Job]) -> None: ...
+    def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None: ...
+
+
+def make_backends(route: Route, run: Run, *, block_size: int, device: str) -> tuple[Backend | None, TorchBackend]:
+    """(the numba backend the route chose, or None; the torch backend, for every other tensor)."""
+    torch_backend = TorchBackend(run, BlockReader(run.match, block_size=block_size, device=device,
+                                                  rows=run.spec.row_blocks(run.params), extras=run.extras or None))
+    if route.kind == "torch":
+        return None, torch_backend
+    fast = FastPath(run.match, block_size, exact_gram=run.spec.exact_gram, rows=run.spec.row_blocks(run.params),
+                    on_read=lambda n: _count_read(run, n))
+    kind = {"fused": FusedBackend, "select": SelectBackend, "random": RandomBackend}[route.kind]
+    return kind(run, fast), torch_backend  # type: ignore[abstract]
+
+
+def _count_read(run: Run, nbytes: int) -> None:
+    run.read_bytes += nbytes
+
+
+class TorchBackend:
+    """Any method on any input and device: blocks of float32 τ and the method's torch reference."""
+
+    fast = None
+
+    def __init__(self, run: Run, reader: BlockReader) -> None:
+        self.run, self.reader = run, reader
+
+    def reads(self, job: Job) -> int:
+        return 1
+
+    def _blocks(self, job: Job) -> Any:
+        for blk in self.reader.blocks(job):
+            self.run.read_bytes += self.reader.bytes_of(job, blk)
+            yield blk
+
+    def statistics(self, jobs: list[Job], bar: Any) -> None:
+        """Count every block; feed the method's observer, streaming a tensor (or the model) again if it asks."""
+        run, observer = self.run, self.run.observer
+        for job in jobs:
+            files = _agent_files(run.match, job.name)
+            for blk in self._blocks(job):
+                count(run.stats, job, blk, files)
+                if observer is not None:
+                    observer.observe(run.context(job, blk, None), blk.base, blk.deltas)
+                bar.advance(blk.n * job.info.dtype.itemsize)
+            while observer is not None and observer.again(job.name):  # e.g. refine a per-tensor top-k
+                self._observe_again([job])
+            bar.tensor_done()
+        while observer is not None and observer.again(None):  # e.g. refine a whole-model top-k
+            self._observe_again(jobs)
+
+    def _observe_again(self, jobs: list[Job]) -> None:
+        """Stream ``jobs`` once more to the observer only (the counts are already complete)."""
+        for job in jobs:
+            for blk in self._blocks(job):
+                self.run.observer.observe(self.run.context(job, blk, None), blk.base, blk.deltas)
+
+    def begin_merge(self, jobs: list[Job]) -> None:
+        pass
+
+    def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
+        run = self.run
+        files = _agent_files(run.match, job.name)
+        for blk in self._blocks(job):
+            if ts is not None:
+                count(run.stats, job, blk, files)
+            else:
+                check_finite(blk.deltas, blk.deltas.sum(1), name=job.name, files=files, start=blk.start)
+            merged = run.spec.merge_block(blk.base, blk.deltas, run.params, run.context(job, blk, run.prepared))
+            out.write_now(tensor_bytes(cast(merged, job, blk.start)))
+            bar.advance(blk.n * job.out_dtype.itemsize)
+
+
+class FusedBackend:
+    """An elementwise method's rule, compiled, on the numba block stream."""
+
+    def __init__(self, run: Run, fast: FastPath) -> None:
+        self.run, self.fast = run, fast
+
+    def reads(self, job: Job) -> int:
+        return 1
+
+    def statistics(self, jobs: list[Job], bar: Any) -> None:
+        statistics_pass_fast(self.fast, jobs, self.run.stats, bar)
+
+    def begin_merge(self, jobs: list[Job]) -> None:
+        self._blocks = self.fast.blocks(jobs)
+
+    def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
+        run = self.run
+        args = rule_args(run.spec, run.params, run.prepared, run.stats.tensors.get(job.name), len(run.match.agents),
+                         run.stats.epsilon, job.name)
+        merge_job_fast(self.fast, self._blocks, job, args, ts, out, bar)
+
+
+def count(stats: Statistics, job: Job, blk: Block, files: list[str]) -> None:
+    """Add one block of τ to the tensor's statistics (torch), checking that every τ is finite."""
+    mask = blk.deltas.abs() > stats.epsilon
+    counts = mask.sum(0)
+    ts = stats.for_tensor(job.name, job.numel, job.weight)
+    before = ts.sumsq.copy()
+    ts.update(blk.deltas.cpu(), mask.cpu(), counts.cpu())
+    check_finite(blk.deltas, torch.from_numpy(ts.sumsq - before), name=job.name, files=files, start=blk.start)
+
+
+def cast(merged: torch.Tensor, job: Job, start: int) -> torch.Tensor:
+    """The merged float32 block in the output dtype; a value that dtype cannot hold is an error, not an inf."""
+    from ..errors import ConfigError
+
+    out = merged.to(job.out_dtype.torch).cpu()
+    if job.out_dtype.itemsize < 4:
+        bad = torch.isinf(out) & torch.isfinite(merged.cpu())
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ConfigError(f"the merged value {float(merged[i]):g} at flat element {start + i} does not fit in "
+                              f"{job.out_dtype}: it would be written as infinity", tensor=job.name,
+                              hint="write bfloat16 or float32 (--dtype), which hold it")
+    return out
+
+
+def _agent_files(match: Match, name: str) -> list[str]:
+    return [str(a.tensors[name].file) if name in a.tensors else str(a.path) for a in match.agents]

@@ -1,0 +1,181 @@
+"""The merge, top to bottom: open → match → statistics pass (if the method needs it) → merge pass → write."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError, RLMergeError, raise_all
+from ..io.checkpoint import SIDE_FILES, Checkpoint
+from ..io.partial import PartialDir, fingerprint, input_identity
+from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
+from ..methods import MethodSpec
+from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
+from ..report.provenance import model_card, provenance
+from ..stats import Statistics
+from .backends import Backend, Run, make_backends
+from .blocks import DEFAULT_BLOCK, device_type, spans
+from .match import Match
+from .passes import merge_pass, statistics_pass
+from .preflight import preflight
+from .progress import Progress
+from .route import route
+
+
+@dataclass
+class MergeResult:
+    output: Path
+    method: str
+    params: Any
+    statistics: Statistics
+    lambdas: list[float] | None = None
+    rho: list[float] | None = None
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    read_bytes: int = 0  # weights read, over every pass, as counted while reading
+    write_bytes: int = 0
+    passes: list[str] = field(default_factory=list)  # "statistics", "merge": what ran
+
+
+def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str],
+          *, method: str = "ram+", params: Mapping[str, Any] | None = None, dtype: str | None = None,
+          shard_size: str | int = DEFAULT_SHARD_SIZE, block_size: int = DEFAULT_BLOCK, device: str = "cpu",
+          force: bool = False, allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
+          quiet: bool = True, recipe: Mapping[str, Any] | None = None, resume: bool = False,
+          fsync: bool = True) -> MergeResult:
+    """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
+
+    >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
+    ...                     params={"preset": "paper", "r": 0.1, "alpha": 2.0})  # doctest: +SKIP
+    >>> res.lambdas  # doctest: +SKIP
+
+    ``resume=True`` continues a run that was interrupted (Ctrl-C, SIGTERM, disk full) after its last
+    complete shard; the output is byte-identical to an uninterrupted run. ``fsync=False`` leaves flushing the
+    output to the OS (faster on a slow disk; a power cut soon after the merge may lose it, and ``resume``
+    still verifies every kept shard by its CRC-32).
+    """
+    t0 = time.perf_counter()
+    pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
+                   block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
+                   count_tied_twice=count_tied_twice, seed=seed)
+    try:
+        raise_all(pf.problems)
+        assert pf.match is not None and pf.spec is not None  # no problems: every stage ran
+        check_copies(pf.match)  # reads the copied tensors only, before anything is written
+        extras = [x for x in pf.extras if x is not None]
+        with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
+            result = _run(pf.match, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,
+                          block_size=pf.block_size, device=device, seed=seed, quiet=quiet, recipe=recipe,
+                          extras=extras, fsync=fsync)
+    finally:
+        pf.close()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_bytes: int, block_size: int,
+         device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
+         extras: list[Checkpoint] | None = None, fsync: bool = True) -> MergeResult:
+    extras = extras or []
+    stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
+    run = Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents)), extras=extras)
+    chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=partial.resumed > 0)
+    metadata = {"rlmerge_method": spec.name}
+    fp = fingerprint([match.base, *match.agents, *extras], {
+        "method": spec.name, "params": repr(p), "seed": seed, "recipe": recipe, "metadata": metadata,
+        "device": device_type(device),  # float results may differ between CPU and GPU kernels
+        "headers": [shard_header(s, metadata).hex() for s in layout_shards(match.jobs, shard_bytes)]})
+    fast, torch_backend = make_backends(chosen, run, block_size=block_size, device=device)
+    writer = CheckpointWriter(partial, match.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp,
+                              fsync=fsync, identity=input_identity([match.base, *match.agents, *extras]),
+                              background=fast is not None)
+    with Progress(quiet=quiet) as progress, _closing(fast), writer:
+        if partial.resumed:  # the kept shards' tensors are not merged again: a statistics pass recounts them
+            chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=True)
+        if chosen.statistics:
+            statistics_pass(run, chosen, fast, torch_backend, progress)
+            stats.observed = run.observer
+        needs = chosen.method_statistics
+        run.prepared = spec.prepare(p, stats if needs else None, len(match.agents))
+        warnings = [*match.warnings, *getattr(run.prepared, "warnings", ())]
+        result = MergeResult(partial.output, spec.name, p, stats, warnings=warnings, passes=chosen.passes)
+        if run.prepared is not None and hasattr(run.prepared, "lambdas"):
+            result.lambdas, result.rho = list(run.prepared.lambdas), list(run.prepared.rho)
+        merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=not chosen.statistics)
+        if not needs:
+            result.warnings += stats.identical_agents()
+        _side_files(match.base, writer, match)
+        # The statistics this merge already collected feed the report: no extra pass.
+        doc = build_report(stats, dtype_facts(match), base=match.base.label, warnings=result.warnings)
+        writer.write_text(REPORT_FILE, to_json(doc))
+        writer.write_text("README.md", model_card(match, result) + "\n" + to_markdown(doc, level=2))
+        writer.finish(provenance(match, result, recipe))
+    result.read_bytes, result.write_bytes = run.read_bytes, match.write_bytes
+    return result
+
+
+@contextlib.contextmanager
+def _closing(fast: Backend | None) -> Iterator[None]:
+    """Stop the numba backend's threads when the merge ends (also when it is interrupted)."""
+    try:
+        yield
+    finally:
+        if fast is not None and fast.fast is not None:
+            fast.fast.close()
+
+
+
+def check_copies(match: Match) -> None:
+    """A tensor rlmerge does not merge (integers, buffers) is copied from the base: every agent that has it must
+    hold the same bytes, or the agent's change would be silently lost. Raises naming the file and the tensor."""
+    problems: list[RLMergeError] = []
+    for job in match.jobs:
+        if job.kind != "copy":
+            continue
+        for agent, here in zip(match.agents, job.present):
+            if not here:
+                continue
+            info = agent.tensors[job.name]
+            step = max(1, (1 << 24) // max(job.info.dtype.itemsize, 1))
+            if info.dtype != job.info.dtype or any(
+                    bytes(match.base.read_raw(job.name, a, b)) != bytes(agent.read_raw(job.name, a, b))
+                    for a, b in spans(job.numel, step)):
+                problems.append(InputError(f"the agent changed a {info.dtype.code} tensor, which rlmerge copies "
+                                           "from the base instead of merging", file=str(info.file), tensor=job.name,
+                                           hint="only float tensors are merged: restore this tensor to the "
+                                                "base's, or leave this agent out"))
+    raise_all(problems)
+
+
+def _side_files(base: Checkpoint, writer: CheckpointWriter, match: Match) -> None:
+    """config, generation config, tokenizer and chat-template files come from the base."""
+    for name in SIDE_FILES:
+        src = base.side_dir / name
+        if not src.is_file():
+            continue
+        if name == "config.json":
+            writer.write_text(name, _config_with_dtype(base.config, match))
+        else:
+            writer.copy_file(src)
+
+
+def _config_with_dtype(config: dict[str, Any], match: Match) -> str:
+    """The base's config, with its dtype field naming the dtype most merged tensors are written in."""
+    cfg = dict(config)
+    floats = [j.out_dtype for j in match.jobs if j.kind == "merge"]
+    if floats:
+        name = str(max(set(floats), key=floats.count)).removeprefix("torch.")
+        for key in ("torch_dtype", "dtype"):
+            if key in cfg:
+                cfg[key] = name
+        if "torch_dtype" not in cfg and "dtype" not in cfg:
+            cfg["torch_dtype"] = name
+    if match.untied_output:  # lm_head is stored: loaders must not tie it to the embeddings
+        cfg["tie_word_embeddings"] = False
+    return json.dumps(cfg, indent=2, sort_keys=True) + "\n"

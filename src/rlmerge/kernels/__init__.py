@@ -1,0 +1,65 @@
+"""numba kernels: the engine's one door to them (numba is imported only when a kernel runs).
+
+``fused_range`` runs a method's traced rule (methods/rule.py) compiled into a fused loop (fused.py); the selection
+and DARE entry points run the sparsify family's kernels. docs/architecture.md has the design.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+from .layout import (  # noqa: F401  re-exported: the engine's one door to the kernels
+    GTA_NONFINITE_BIN,
+    MAX_AGENTS,
+    SUBHISTS,
+    TILE,
+    hist_shape,
+)
+
+if TYPE_CHECKING:
+    from ..methods.rule import Program
+
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+
+
+def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo: int, hi: int, eps: Any,
+                consts: Any, agent_consts: Any, out: Any, hist: Any, gram: Any, exact: bool = False) -> bool:
+    """Elements [lo, hi) of one block through a method's elementwise ``program`` (methods/rule.py; None: the
+    statistics only); True when a τ is not finite.
+
+    base [n] and each of the N agents [n]: uint16 (bfloat16 bits) or float32; consts [C] and agent_consts [A, N]
+    float32 (``Program.arrays``); eps float32, the statistics' threshold; out [n] uint16 or float32 (ignored
+    without a program). hist [S, 4^N] int64 and gram [N, N] float64 (upper triangle) accumulate the statistics,
+    or are both None: then nothing is gathered and no τ is checked (a statistics pass over the same bytes
+    already did). ``exact``: gram from float64 products, for a method that merges with it (model_stock); else
+    float32 sums over tiles. Compiled on first use for each (program, N, dtypes), cached on disk.
+    """
+    from .fused import PROGRAMS, STATS_ONLY
+    from .fused import fused_range as kernel
+
+    key = STATS_ONLY if program is None else program.key
+    if program is not None:
+        PROGRAMS.setdefault(key, program)
+    return bool(kernel(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, key))
+
+
+def gta_hist_first(*args: Any) -> None:
+    """Round 0 of the |τ| selection: hist[t, j % S, digit 0 of |τ_t|] += 1 over [lo, hi) (_numba_gta)."""
+    from .select import hist_first
+
+    hist_first(*args)
+
+
+def gta_hist_next(*args: Any) -> None:
+    """A later round: digit counts of the |τ| whose higher digits equal each query's prefix (_numba_gta)."""
+    from .select import hist_next
+
+    hist_next(*args)
+
+
+def gta_merge_range(*args: Any) -> None:
+    """The TIES / Breadcrumbs merge rule over [lo, hi) of one block (see _numba_gta.merge_range)."""
+    from .select import merge_range
+
+    merge_range(*args)

@@ -1,0 +1,205 @@
+"""The fused block kernel: a method's elementwise rule (methods/rule.py), compiled per number of agents (numba).
+
+One loop over a tile decodes the stored bits, computes τ_t, runs the rule's operations with the agents unrolled
+(so it vectorises), rounds to the output dtype and (``hist``/``gram`` given) adds the statistics. Each program is
+compiled per dtypes and cached on disk under its content's key (``Program.key``): a changed rule is a new kernel,
+never a stale one. Only the statistics' Gram sums are reassociated (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import literally, njit, types
+from numba.extending import overload
+
+from ..methods.rule import BINARY, Program
+from .codec import _f32_as_u32, _u32_as_f32, put_lines
+from .layout import TILE
+
+PROGRAMS: dict[int, Program] = {}  # Program.key → program, registered before its kernel is called
+STATS_ONLY = 0  # the key of "no rule": the statistics pass's kernel
+
+_BODY = '''
+def tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, key):
+    zero = np.float32(0.0)
+{unpack}
+{hoisted}
+    for j in range(m):
+        i = lo + j
+        b = {dec_base}
+{agents}
+{rule}
+{codes}
+'''
+_CODES = '''
+    for j in range(m):  # the statistics' pattern code, in its own loop: folded into the one above, the
+        cd = zero       # compiler stops vectorising some rules (seen with task arithmetic)
+{lines}
+        code[j] = cd
+'''
+# Decoding and rounding are written into the loop's source rather than called: a call (or numba's IR
+# inlining of one) keeps the loop from vectorising, or worse (miscompiled selects were seen with
+# inline="always"). The rounding's text is codec.PUT_SOURCE, which the other kernels' _put is compiled from.
+_DECODE = {"uint16": "_u32_as_f32(np.uint32({x}) << np.uint32(16))",  # bfloat16: the high half of a float32
+           "float32": "{x}"}
+_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/", "gt": ">", "ge": ">=", "lt": "<", "le": "<=",
+           "eq": "==", "ne": "!=", "and": "&", "or": "|"}
+
+
+def _program_lines(p: Program) -> tuple[list[str], list[str], str]:
+    """(lines before the loop, lines in it, the merged value's variable): one line per program operation."""
+    hoisted, body, names = [], [], []
+    for i, op in enumerate(p.ops):
+        v = f"v{i}"
+        args = [names[j] for j in op.args] if op.name not in ("base", "tau", "lit", "const", "agent") else []
+        if op.name == "base":
+            v = "b"
+        elif op.name == "tau":
+            v = f"x{op.args[0]}"
+        elif op.name == "lit":
+            hoisted.append(f"    {v} = np.float32({op.args[0]!r})")
+        elif op.name == "const":
+            hoisted.append(f"    {v} = consts[{p.consts.index(op.args[0])}]")
+        elif op.name == "agent":
+            hoisted.append(f"    {v} = agent_consts[{p.agent_consts.index(op.args[0])}, {op.args[1]}]")
+        elif op.name in BINARY:
+            body.append(f"        {v} = {args[0]} {_SYMBOL[op.name]} {args[1]}")
+        elif op.name == "neg":
+            body.append(f"        {v} = -{args[0]}")
+        elif op.name == "not":
+            body.append(f"        {v} = not {args[0]}")
+        elif op.name == "abs":
+            body.append(f"        {v} = abs({args[0]})")
+        elif op.name == "where":  # a select, not a branch: both sides are computed
+            body.append(f"        {v} = {args[1]} if {args[0]} else {args[2]}")
+        else:
+            raise ValueError(f"no numba form for the rule operation {op.name!r}")
+        names.append(v)
+    return hoisted, body, names[p.out]
+
+
+def source(n: int, key: int, collect: bool, base: str = "uint16", agent: str = "uint16", out: str = "uint16") -> str:
+    """Python source of the tile loop for ``n`` agents running program ``key`` (STATS_ONLY: none); dtypes are
+    the stored numpy names."""
+    unpack = [f"    a{t} = agents[{t}]" for t in range(n)]
+    lines = [f"        x{t} = {_DECODE[agent].format(x=f'a{t}[i]')} - b" for t in range(n)]
+    if collect:
+        lines += [f"        tau[{t}, j] = x{t}" for t in range(n)]
+    hoisted: list[str] = []
+    rule = ""
+    if key != STATS_ONLY:
+        hoisted, body, result = _program_lines(PROGRAMS[key])
+        rule = "\n".join([*body, put_lines(out, result, "        ")])
+    codes = ""
+    if collect:  # bit t: agent t changed the element (|τ| > ε); bit N + t: that change is negative
+        codes = _CODES.format(lines="\n".join(
+            f"        x = tau[{t}, j]\n"
+            f"        cd += (np.float32({1 << t}) + (np.float32({1 << (n + t)}) if x < zero else zero))"
+            f" if abs(x) > eps else zero" for t in range(n)))
+    return _BODY.format(unpack="\n".join(unpack), hoisted="\n".join(hoisted), agents="\n".join(lines), rule=rule,
+                        dec_base=_DECODE[base].format(x="base[i]"), codes=codes)
+
+
+def _tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, key):  # type: ignore[no-untyped-def]
+    raise NotImplementedError
+
+
+@overload(_tile)
+def _tile_ov(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, key):  # type: ignore[no-untyped-def]
+    if not isinstance(key, types.IntegerLiteral) or not isinstance(agents, types.UniTuple):
+        return None
+    collect = not isinstance(tau, types.NoneType)
+    src = source(agents.count, key.literal_value, collect, str(base.dtype), str(agents.dtype.dtype), str(out.dtype))
+    scope = {"np": np, "_u32_as_f32": _u32_as_f32, "_f32_as_u32": _f32_as_u32}
+    exec(src, scope)  # noqa: S102 source built above from a traced program
+    return scope["tile"]
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def _gram32(tau, m, gram):  # type: ignore[no-untyped-def]
+    """gram[a, q] += Σ_j τ_a τ_q over the tile (a ≤ q); True when a sum of squares is not finite."""
+    n_agents = tau.shape[0]
+    bad = False
+    for a in range(n_agents):
+        for q in range(a, n_agents):
+            acc = np.float32(0.0)
+            for j in range(m):
+                acc += tau[a, j] * tau[q, j]
+            if a == q and not np.isfinite(acc):
+                bad = True
+            gram[a, q] += np.float64(acc)
+    return bad
+
+
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def _gram64(tau, m, gram):  # type: ignore[no-untyped-def]
+    """The tile's Gram matrix from float64 products (exact: a product of two float32 is a float64), summed in
+    a vectorised order; True if a τ is not finite (a float64 sum of finite float32 squares cannot overflow).
+    For model_stock, which merges with it, and for the rare tile whose float32 sum of squares overflows."""
+    n_agents = tau.shape[0]
+    bad = False
+    for a in range(n_agents):
+        for q in range(a, n_agents):
+            acc = 0.0
+            for j in range(m):
+                acc += np.float64(tau[a, j]) * np.float64(tau[q, j])
+            if a == q and not np.isfinite(acc):
+                bad = True
+            gram[a, q] += acc
+    return bad
+
+
+@njit(nogil=True, cache=True)
+def _hist(code, m, hist):  # type: ignore[no-untyped-def]
+    """hist[k % S, code[k]] += 1 with S = hist.shape[0] sub-histograms (8, or 1 when 4^N bins are many): runs
+    of one code would otherwise serialise on one counter (measured: 2.1 → 0.9 ns per element at S = 8)."""
+    j = 0
+    if hist.shape[0] == 8:
+        while j + 8 <= m:
+            hist[0, np.int64(code[j])] += 1
+            hist[1, np.int64(code[j + 1])] += 1
+            hist[2, np.int64(code[j + 2])] += 1
+            hist[3, np.int64(code[j + 3])] += 1
+            hist[4, np.int64(code[j + 4])] += 1
+            hist[5, np.int64(code[j + 5])] += 1
+            hist[6, np.int64(code[j + 6])] += 1
+            hist[7, np.int64(code[j + 7])] += 1
+            j += 8
+    while j < m:
+        hist[0, np.int64(code[j])] += 1
+        j += 1
+
+
+@njit(nogil=True)
+def _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, key):  # type: ignore[no-untyped-def]
+    """Elements [lo, hi) tile by tile; statistics into ``hist``/``gram`` unless they are None (compiled out).
+    ``exact``: the Gram matrix from float64 products (a method's input, not only the report's)."""
+    n_agents = len(agents)
+    bad = False
+    if hist is None:
+        for start in range(lo, hi, TILE):
+            m = np.uint64(min(TILE, hi - start))
+            # unsigned offsets: indexing then needs no negative-index wraparound, and the loop vectorises
+            _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, None, None, eps, key)
+        return bad
+    tau = np.empty((n_agents, TILE), dtype=np.float32)
+    code = np.empty(TILE, dtype=np.float32)
+    gram_t = np.zeros((n_agents, n_agents), dtype=np.float64)
+    for start in range(lo, hi, TILE):
+        m = np.uint64(min(TILE, hi - start))
+        _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, tau, code, eps, key)
+        _hist(code, m, hist)
+        gram_t[:] = 0.0
+        if exact:
+            bad |= _gram64(tau, m, gram_t)
+        elif _gram32(tau, m, gram_t):
+            gram_t[:] = 0.0
+            bad |= _gram64(tau, m, gram_t)
+        gram += gram_t
+    return bad
+
+
+@njit(nogil=True, cache=True)
+def fused_range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, key):  # type: ignore[no-untyped-def]
+    """Elements [lo, hi) of one block through program ``key`` (compiled in: one specialisation per key)."""
+    return _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, literally(key))

@@ -1,0 +1,128 @@
+"""The shape of the house (docs/architecture.md): data flows one way, and no two modules import each other.
+
+Every ``import`` of an rlmerge module in src/ (at the top of a module or inside a function; not the ones under
+``if TYPE_CHECKING:``, which never run) must go to the same layer or one to its left in ``LAYERS``, and the import
+graph of modules has no cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Left to right, the way the data flows: what a layer may import is itself and the layers to its left.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("rlmerge._version", "rlmerge._torch", "rlmerge.errors", "rlmerge.params")),
+    ("recipe", ("rlmerge.recipe", "rlmerge.mergekit_names")),
+    ("io", ("rlmerge.io",)),
+    ("statistics", ("rlmerge.stats",)),
+    ("methods", ("rlmerge.methods",)),
+    ("kernels", ("rlmerge.kernels",)),
+    ("report", ("rlmerge.report",)),
+    ("engine", ("rlmerge.engine",)),
+    ("tools", ("rlmerge.synthetic",)),
+    ("edge", ("rlmerge.cli", "rlmerge.lab", "rlmerge")),
+]
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    assert rank >= 0, f"{module} is in no layer: add it to LAYERS (and to docs/architecture.md)"
+    return rank
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def imports(path: Path) -> set[str]:
+    """rlmerge modules imported by the file (absolute names), TYPE_CHECKING blocks left out."""
+    mod = module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking(child):
+                for sub in child.orelse:
+                    visit(sub)
+                continue
+            if isinstance(child, ast.Import):
+                found.update(a.name for a in child.names if a.name.split(".")[0] == "rlmerge")
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (child.level - 1)] if child.level > 1 else base
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                if target.split(".")[0] != "rlmerge":
+                    continue
+                for a in child.names:  # ``from pkg import submodule`` imports the submodule
+                    sub = f"{target}.{a.name}"
+                    found.add(sub if (SRC / Path(*sub.split("."))).with_suffix(".py").exists()
+                              or (SRC / Path(*sub.split(".")) / "__init__.py").exists() else target)
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    found.discard(mod)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports(p) for p in sorted(SRC.rglob("*.py"))}
+
+
+def test_every_import_follows_the_flow() -> None:
+    against = []
+    for mod, deps in graph().items():
+        for dep in sorted(deps):
+            if mod == "rlmerge":  # the package's public face re-exports from every layer
+                continue
+            if layer_of(dep) > layer_of(mod) and not dep.startswith(mod + "."):
+                against.append(f"{mod} ({LAYERS[layer_of(mod)][0]}) imports {dep} ({LAYERS[layer_of(dep)][0]})")
+    assert not against, "imports against the flow:\n" + "\n".join(against)
+
+
+def test_no_import_cycles() -> None:
+    g = graph()
+    # A package's __init__ may import its submodules (that is how a package is built); a submodule importing names
+    # back from its package's __init__ then closes a cycle, and is reported: siblings import siblings.
+    edges = {m: {d for d in deps if d in g} for m, deps in g.items()}
+    edges["rlmerge"] = set()  # the public face: nothing below may import it (checked next), so no cycle runs through
+    edge = LAYERS[-1][1]
+    assert not [m for m, deps in g.items() if "rlmerge" in deps and layer_of(m) != layer_of(edge[0])], \
+        "modules import the package itself (rlmerge/__init__): import what you need from its module"
+    cycles, state = [], {}
+
+    def walk(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(edges[m]):
+            if state.get(d) == 1:
+                cycles.append(" → ".join(stack[stack.index(d):] + [m, d]) if d in stack else f"{m} → {d}")
+            elif d not in state:
+                walk(d, [*stack, m])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            walk(m, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_every_module_has_a_layer() -> None:
+    for mod in graph():
+        layer_of(mod)
