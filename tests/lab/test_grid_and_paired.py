@@ -59,7 +59,7 @@ def test_grid_picks_the_best_validation_point_and_keeps_only_its_float32_merge(
     }
 
 
-def test_ram_plus_merge_is_written_in_float32_so_lambda_survives(tmp_path: Path, models: tuple[Path, list[Path]]) -> None:
+def test_ram_plus_merge_is_written_in_float32(tmp_path: Path, models: tuple[Path, list[Path]]) -> None:
     base, agents = models
     info = merge_checkpoints(base, agents, tmp_path / "m", "ram+", {"preset": "official"})
     w = load_file(tmp_path / "m" / "model.safetensors")["w"]

@@ -37,14 +37,15 @@ class Dial:
 
 
 # The tiny lab's own agents (lr 5e-5, fp32 master) are the reference; the rest are trained from its base.
+# Cheapest and most telling first (results are written after each): a stopped sweep keeps the early ones.
 DIALS: tuple[Dial, ...] = (
     Dial("GRPO 5e-5 fp32-master (lab)", "reference", 5e-5),
-    Dial("GRPO 1.5e-5 fp32-master", "grpo", 1.5e-5),
+    Dial("GRPO 5e-5 pruned to paper densities", "prune", 5e-5),
     Dial("GRPO 5e-6 fp32-master", "grpo", 5e-6),
     Dial("GRPO 5e-5 bf16-pure", "grpo", 5e-5, "bf16-pure"),
-    Dial("GRPO 1.5e-5 bf16-pure", "grpo", 1.5e-5, "bf16-pure"),
     Dial("SFT 5e-5 fp32-master", "sft", 5e-5),
-    Dial("GRPO 5e-5 pruned to paper densities", "prune", 5e-5),
+    Dial("GRPO 1.5e-5 fp32-master", "grpo", 1.5e-5),
+    Dial("GRPO 1.5e-5 bf16-pure", "grpo", 1.5e-5, "bf16-pure"),
 )
 
 
