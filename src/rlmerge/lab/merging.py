@@ -67,9 +67,7 @@ SMOLLM2_GRIDS: tuple[MethodPlan, ...] = (
 )
 
 # The mechanism sweep (docs/lab.md) only needs the gaps RAM − TA and RAM+ − TA: the same grids, three rows.
-MECHANISM_GRIDS: tuple[MethodPlan, ...] = tuple(
-    p for p in TINY_GRIDS if p.label in ("Task arithmetic", "RAM", "RAM+", "TIES")
-)
+MECHANISM_GRIDS: tuple[MethodPlan, ...] = tuple(p for p in TINY_GRIDS if p.label in ("Task arithmetic", "RAM", "RAM+"))
 
 
 class EngineUnavailable(RuntimeError):
