@@ -68,8 +68,8 @@ def _mechanism(seed_dir: Path, out: Path, seed: int, size: str) -> None:
 
     from rlmerge.lab.dials import markdown_mechanism, plot_mechanism, run_mechanism
 
-    if not (seed_dir / "base").is_dir() or not (seed_dir / "agents").is_dir():
-        raise _usage_error(f"--mechanism-from {seed_dir}: expected a lab seed folder with base/ and agents/ in it")
+    if not seed_dir.is_dir():
+        raise _usage_error(f"--mechanism-from {seed_dir}: not a folder (a lab run's seedN folder, e.g. lab-output/seed0)")
     start = time.time()
     results = run_mechanism(seed_dir, out, seed=seed, size_name=size)
     table = markdown_mechanism(results)

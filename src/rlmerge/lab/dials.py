@@ -4,7 +4,7 @@ Dials: GRPO learning rate, precision (`fp32-master`: float32 training, bf16 save
 rounded to bf16 after every step), an SFT control (same budget and precision, supervised on correct
 answers), and a pruning control (the reference agents' task vectors magnitude-pruned to the paper's
 densities, 3.2 / 46.2 / 54.3 %). For each setting: density, unique share and density by |w| of the task
-vectors, and the test scores of TA, TIES, RAM and RAM+ (each tuned on the same-size validation grid as
+vectors, and the test scores of TA, RAM and RAM+ (each tuned on the same-size validation grid as
 in the main table), so the gaps RAM − TA and RAM+ − TA can be read against density
 (`plot_mechanism`). Results are written after every setting, so a stopped sweep keeps what it measured.
 """
@@ -37,21 +37,35 @@ class Dial:
 
 
 # The tiny lab's own agents (lr 5e-5, fp32 master) are the reference; the rest are trained from its base.
-# Cheapest and most telling first (results are written after each): a stopped sweep keeps the early ones.
+# Ordered so that a sweep started while the lab run is still training its agents has work to do first
+# (the reference and its pruned copy wait for them), and results are written after each setting.
 DIALS: tuple[Dial, ...] = (
-    Dial("GRPO 5e-5 fp32-master (lab)", "reference", 5e-5),
-    Dial("GRPO 5e-5 pruned to paper densities", "prune", 5e-5),
     Dial("GRPO 5e-6 fp32-master", "grpo", 5e-6),
     Dial("GRPO 5e-5 bf16-pure", "grpo", 5e-5, "bf16-pure"),
     Dial("SFT 5e-5 fp32-master", "sft", 5e-5),
+    Dial("GRPO 5e-5 fp32-master (lab)", "reference", 5e-5),
+    Dial("GRPO 5e-5 pruned to paper densities", "prune", 5e-5),
     Dial("GRPO 1.5e-5 fp32-master", "grpo", 1.5e-5),
     Dial("GRPO 1.5e-5 bf16-pure", "grpo", 1.5e-5, "bf16-pure"),
 )
+WAIT_S = 30.0  # poll interval while the lab run that owns `seed_dir` is still writing what a dial needs
+
+
+def _wait_for(folders: list[Path], what: str) -> None:
+    """Block until each folder holds a finished stage (the lab pipeline's lab-stage.json marker)."""
+    from rlmerge.lab.pipeline import DONE
+
+    while not all((f / DONE).is_file() for f in folders):
+        _log(f"mechanism: waiting for {what} ({', '.join(str(f) for f in folders if not (f / DONE).is_file())})")
+        time.sleep(WAIT_S)
 
 
 def _agents_for(dial: Dial, size: LabSize, seed_dir: Path, work: Path, seed: int) -> tuple[list[Path], dict[str, Any]]:
     base = seed_dir / "base"
     reference = [seed_dir / "agents" / f for f in FAMILIES]
+    _wait_for([base], "the lab's base")
+    if dial.trainer in ("reference", "prune"):
+        _wait_for(reference, "the lab's agents")
     if dial.trainer == "reference":
         return reference, {}
     out = work / "agents"
@@ -83,6 +97,7 @@ def run_mechanism(seed_dir: Path, out: Path, *, seed: int, size_name: str = "tin
     test = _eval_sets(size, "test", size.n_test, seed)
     val = _eval_sets(size, "val", size.n_val, seed)
     base = seed_dir / "base"
+    _wait_for([base], "the lab's base")
     results: dict[str, Any] = {"seed": seed, "base": str(base), "settings": []}
     res_path = out / "mechanism.json"
     for dial in DIALS:
