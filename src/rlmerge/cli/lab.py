@@ -69,7 +69,7 @@ def _mechanism(seed_dir: Path, out: Path, seed: int, size: str) -> None:
     from rlmerge.lab.dials import markdown_mechanism, plot_mechanism, run_mechanism
 
     if not seed_dir.parent.is_dir():  # the seed folder itself may still be on its way (the sweep waits)
-        raise _usage_error(f"--mechanism-from {seed_dir}: no such lab output (give a run's seedN folder, e.g. out/seed0)")
+        raise _usage_error(f"--mechanism-from {seed_dir}: no such lab output (give a seedN folder of a run)")
     start = time.time()
     results = run_mechanism(seed_dir, out, seed=seed, size_name=size)
     table = markdown_mechanism(results)
