@@ -70,16 +70,16 @@ SIZES: dict[str, LabSize] = {
         n_fisher=4,
     ),
     "tiny": LabSize("tiny", ModelShape(), 700, 32, GRPOSettings(), n_val=48, n_test=128),
-    # SmolLM2-135M-Instruct (no warm-up: a pretrained base). ~1 min per GRPO step on one shared CPU
-    # thread at 8 completions of ~200 tokens; lr from the pilot (docs/lab.md).
+    # SmolLM2-135M-Instruct (no warm-up: a pretrained base). A GRPO step of 8 completions of ~200 tokens
+    # costs ~1 CPU-minute on one thread; lr from the pilot (docs/lab.md).
     "smollm2": LabSize(
         "smollm2",
         ModelShape(),  # unused: the base is SmolLM2's own architecture
         0,
         0,
-        GRPOSettings(steps=16, prompts_per_step=2, generations=4, lr=2e-5, temperature=0.7),
-        n_val=12,
-        n_test=40,
+        GRPOSettings(steps=12, prompts_per_step=2, generations=4, lr=2e-5, temperature=0.7),
+        n_val=8,
+        n_test=32,
         n_fisher=16,
         kind="chat",
         methods=SMOLLM2_GRIDS,
