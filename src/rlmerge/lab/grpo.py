@@ -4,7 +4,8 @@ Two dials decide how sparse the saved task vector is (docs/lab.md, "the mechanis
 - the learning rate: Adam moves every weight that gets a gradient by about lr per step, whatever the
   gradient's size, so the total drift of a weight is ~lr × steps (less where the gradient's sign flips);
 - the precision: `fp32-master` trains float32 weights and rounds only the saved agent to bf16 (what most
-  RL stacks release); a change survives when the drift exceeds half a bf16 step at the weight, |w|/256.
+  RL stacks release); a change survives when the drift exceeds half a bf16 step at the weight (|w|/512
+  to |w|/256, depending on where |w| sits in its binade).
   `bf16-pure` emulates bf16 parameter storage by rounding every weight to bf16 after every optimizer step
   (Adam's state stays float32): an update smaller than half a step at |w| is absorbed on the spot, each
   step, so a weight with |w| > ~256·lr never moves (PULSE, arXiv 2602.03839).
