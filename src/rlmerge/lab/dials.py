@@ -130,14 +130,14 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             return 100.0 * statistics.fmean(sc[row].values()) if row in sc else None
 
         gains = {f: 100.0 * (sc[f"Specialist: {f}"][f] - sc["Base"][f]) for f in FAMILIES}
-        ta, ram, ramp, ties = avg("Task arithmetic"), avg("RAM"), avg("RAM+"), avg("TIES")
+        ta, ram, ramp = avg("Task arithmetic"), avg("RAM"), avg("RAM+")
         rows.append({
             "setting": s["dial"]["label"],
             "density": {f: tv[f]["density_pct"] for f in FAMILIES},
             "mean_density": statistics.fmean(tv[f]["density_pct"] for f in FAMILIES),
             "mean_unique_share": statistics.fmean(tv[f]["unique_share_pct"] for f in FAMILIES),
             "gains": gains,
-            "TA": ta, "TIES": ties, "RAM": ram, "RAM+": ramp,
+            "TA": ta, "RAM": ram, "RAM+": ramp,
             "RAM-TA": None if ram is None or ta is None else ram - ta,
             "RAM+-TA": None if ramp is None or ta is None else ramp - ta,
             "picks": {k: v["note"] for k, v in s["picks"].items()},
@@ -148,9 +148,9 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 def markdown_mechanism(results: dict[str, Any]) -> str:
     head = (
         "| setting | density tool_use / coding / memory (%) | unique share (%) | own-task gain (points) "
-        "| TA | TIES | RAM | RAM+ | RAM − TA | RAM+ − TA |"
+        "| TA | RAM | RAM+ | RAM − TA | RAM+ − TA |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
 
     def f(x: float | None) -> str:
         return "–" if x is None else f"{x:.1f}"
@@ -159,7 +159,7 @@ def markdown_mechanism(results: dict[str, Any]) -> str:
         dens = " / ".join(f"{r['density'][k]:.1f}" for k in FAMILIES)
         gains = " / ".join(f"{r['gains'][k]:+.1f}" for k in FAMILIES)
         lines.append(
-            f"| {r['setting']} | {dens} | {r['mean_unique_share']:.1f} | {gains} | {f(r['TA'])} | {f(r['TIES'])} "
+            f"| {r['setting']} | {dens} | {r['mean_unique_share']:.1f} | {gains} | {f(r['TA'])} "
             f"| {f(r['RAM'])} | {f(r['RAM+'])} | {r['RAM-TA']:+.1f} | {r['RAM+-TA']:+.1f} |"
         )
     return "\n".join(lines)
