@@ -32,7 +32,8 @@ PAPER_TABLE1 = {
 
 
 def load_seeds(files: Sequence[Path]) -> list[dict[str, Any]]:
-    return [seed for f in files for seed in json.loads(Path(f).read_text())["seeds"]]
+    seeds = [seed for f in files for seed in json.loads(Path(f).read_text())["seeds"]]
+    return sorted(seeds, key=lambda s: s["seed"])
 
 
 def _avg(scores: dict[str, float]) -> float:
@@ -76,13 +77,21 @@ def density_table(seeds: Sequence[dict[str, Any]]) -> str:
 
 def specialist_table(seeds: Sequence[dict[str, Any]]) -> str:
     head = " | ".join(f"{f} base → specialist" for f in FAMILIES)
-    lines = [f"| seed | {head} | run time (s) |", "|---|" + "---|" * (len(FAMILIES) + 1)]
+    lines = [
+        f"| seed | {head} | stage times (s): warm-up + 3 agents + scoring + merges + unique rows | total (s) |",
+        "|---|" + "---|" * (len(FAMILIES) + 2),
+    ]
     for s in seeds:
         sc = s["scores"]
         cells = " | ".join(f"{100 * sc['Base'][f]:.1f} → {100 * sc[f'Specialist: {f}'][f]:.1f}" for f in FAMILIES)
-        # A rerun into the same folder reuses a finished base (lab-stage.json): count its warm-up once anyway.
-        warmup = float(s["training"]["base"].get("warmup_seconds", 0.0))
-        total = sum(v for k, v in s["timings"].items() if k != "base") + max(s["timings"]["base"], warmup)
+        # A rerun into the same folder reuses a finished base and agents (lab-stage.json): their stage times
+        # are the ones recorded when they were trained, the other stages' the last run's.
+        t = s["timings"]
+        train = [float(s["training"]["base"].get("warmup_seconds", 0.0))]
+        train += [float(s["training"][f]["train_seconds"]) for f in FAMILIES]
+        rest = [t.get("score_base_and_specialists", 0.0), t.get("merges", 0.0), t.get("unique_region", 0.0)]
+        cells += " | " + " + ".join(f"{x:.0f}" for x in train + rest)
+        total = sum(train + rest)
         lines.append(f"| {s['seed']} | {cells} | {total:.0f} |")
     return "\n".join(lines)
 
