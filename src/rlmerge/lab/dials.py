@@ -23,6 +23,7 @@ from rlmerge.lab.density import PAPER_DENSITY, task_vector_stats
 from rlmerge.lab.grpo import Precision, train_agent
 from rlmerge.lab.mechanism import density_by_magnitude, prune_task_vector
 from rlmerge.lab.merging import MECHANISM_GRIDS
+from rlmerge.lab.paired import bootstrap_difference
 from rlmerge.lab.pipeline import SIZES, LabSize, SeedResult, _eval_sets, _log, _score, run_merges
 from rlmerge.lab.sft import train_sft_agent
 from rlmerge.lab.tasks import FAMILIES
@@ -131,6 +132,12 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
         gains = {f: 100.0 * (sc[f"Specialist: {f}"][f] - sc["Base"][f]) for f in FAMILIES}
         ta, ram, ramp = avg("Task arithmetic"), avg("RAM"), avg("RAM+")
+        ex = s.get("examples", {})
+        ci = {
+            f"{a}-TA": bootstrap_difference(ex[a], ex["Task arithmetic"], seed=s["seed"])
+            for a in ("RAM", "RAM+")
+            if a in ex and "Task arithmetic" in ex
+        }
         rows.append({
             "setting": s["dial"]["label"],
             "density": {f: tv[f]["density_pct"] for f in FAMILIES},
@@ -141,6 +148,7 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             "RAM-TA": None if ram is None or ta is None else ram - ta,
             "RAM+-TA": None if ramp is None or ta is None else ramp - ta,
             "picks": {k: v["note"] for k, v in s["picks"].items()},
+            "ci": ci,  # paired bootstrap over test examples: (difference, low, high) in points
         })  # fmt: skip
     return rows
 
@@ -155,13 +163,20 @@ def markdown_mechanism(results: dict[str, Any]) -> str:
     def f(x: float | None) -> str:
         return "–" if x is None else f"{x:.1f}"
 
+    def gap(r: dict[str, Any], key: str) -> str:
+        if key not in r["ci"]:
+            return "–" if r[key] is None else f"{r[key]:+.1f}"
+        d, lo, hi = r["ci"][key]
+        return f"{d:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+
     for r in summary_rows(results):
         dens = " / ".join(f"{r['density'][k]:.1f}" for k in FAMILIES)
         gains = " / ".join(f"{r['gains'][k]:+.1f}" for k in FAMILIES)
         lines.append(
             f"| {r['setting']} | {dens} | {r['mean_unique_share']:.1f} | {gains} | {f(r['TA'])} "
-            f"| {f(r['RAM'])} | {f(r['RAM+'])} | {r['RAM-TA']:+.1f} | {r['RAM+-TA']:+.1f} |"
+            f"| {f(r['RAM'])} | {f(r['RAM+'])} | {gap(r, 'RAM-TA')} | {gap(r, 'RAM+-TA')} |"
         )
+    lines += ["", "Gaps in points, average over tasks; [95 % interval]: paired bootstrap over the test examples."]
     return "\n".join(lines)
 
 
@@ -210,7 +225,7 @@ def plot_mechanism(results: dict[str, Any], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("|w| of the base weight (bin lower edge, log2)")
     ax.set_ylabel("changed elements in the bin (%)")
-    ax.set_title("density by |w| (dotted: 256·lr, where bf16-pure absorbs a step of lr)", fontsize=9)
+    ax.set_title("density by |w|; dotted: 256·lr of a bf16-pure run", fontsize=9)
     ax.legend(fontsize=6.5)
     fig.suptitle(f"rlmerge lab (tiny, seed {results['seed']}): what makes task vectors dense, and the merge gaps")
     fig.tight_layout()
