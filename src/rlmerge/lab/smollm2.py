@@ -41,7 +41,9 @@ INSTRUCTIONS = {
 # The end of an assistant turn in SmolLM2's chat template (its EOS for generation).
 END_OF_TURN = "<|im_end|>"
 # Solved examples shown before each task (chat turns), and the split seed they come from.
-SHOTS = 1
+# Memory needs two: after a single solved example the base answers that example's code word to every
+# question (measured: 16 of 16 greedy answers "lime"), so all GRPO completions tie and nothing is learned.
+SHOTS = {"tool_use": 1, "coding": 1, "memory": 2}
 DEMO_SEED = 987_654
 # Longest useful reply per family, in SmolLM2 tokens (a JSON call is ~25, a line of code ~15).
 MAX_NEW_TOKENS = {"tool_use": 48, "coding": 32, "memory": 12}
@@ -95,10 +97,10 @@ def _demonstrations(family: str, shots: int) -> tuple[Example, ...]:
     return tuple(make_split(make_family(family), "train", shots, DEMO_SEED))
 
 
-def chat_prompt(tokenizer: PreTrainedTokenizerBase, example: Example, shots: int = SHOTS) -> str:
-    """`shots` solved examples as earlier chat turns, then the task; the assistant turn is left open."""
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, example: Example, shots: int | None = None) -> str:
+    """Solved examples (SHOTS per family) as earlier chat turns, then the task; the assistant turn is open."""
     messages = []
-    for demo in _demonstrations(example.family, shots):
+    for demo in _demonstrations(example.family, SHOTS[example.family] if shots is None else shots):
         messages += [
             {"role": "user", "content": _user_turn(demo)},
             {"role": "assistant", "content": demo.target.strip()},
