@@ -27,7 +27,7 @@ PAPER_TABLE1 = {
     "DARE+TA": 63.33,
     "DARE+TIES": 62.47,
     "RAM": 64.82,
-    "RAM+": 66.55,
+    "RAM+ (paper defaults)": 66.55,  # the paper reports RAM+ at its defaults r = 0.1, α = 2 (no tuning)
 }
 
 
@@ -124,7 +124,8 @@ def real_size(file: Path) -> str:
     for row in order:
         if row not in sc:
             continue
-        paper = PAPER_TABLE1.get(row, PAPER_TABLE1["Specialists (paper's order)"] if row.startswith("Spec") else "–")
+        specialists = str(PAPER_TABLE1["Specialists (paper's order)"]) + " (the three)"
+        paper = PAPER_TABLE1.get(row, specialists if row == f"Specialist: {FAMILIES[0]}" else "–")
         cells = " | ".join(f"{100 * sc[row][f]:.1f}" for f in FAMILIES)
         note = seed.get("notes", {}).get(row, "")
         lines.append(f"| {row} | {cells} | {_avg(sc[row]):.1f} | {paper} | {note} |")
