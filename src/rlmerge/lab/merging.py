@@ -35,8 +35,9 @@ class MethodPlan:
 # Every tuned method searches a grid of the same size (12 points in the tiny lab), so that no method wins
 # by having been tuned harder; each grid is wide enough that a pick on its edge is informative (the
 # report says where each pick landed). Average and Fisher have no knob: one fixed merge each.
-# Widened after the first two seeds (docs/lab.md): RAM+ picked r = 0.4, α = 8 and TIES scaling = 2, the
-# high corner of their first grids (r ≤ 0.4, α ≤ 8, scaling ≤ 2), on both seeds.
+# Changed after the first two seeds (docs/lab.md): RAM+ picked r = 0.4, α = 8 and TIES scaling = 2, the
+# high corner of their first grids (r ≤ 0.4, α ≤ 8, scaling ≤ 2), on both seeds; DARE+TA's scaling moved
+# from 0.75–2 to 0.5–1.5 and DARE+TIES's lowest density from 0.02 to 0.01 (picks on those edges).
 TINY_GRIDS: tuple[MethodPlan, ...] = (
     MethodPlan("Average", "linear"),
     MethodPlan(
