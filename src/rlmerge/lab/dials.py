@@ -27,6 +27,7 @@ from rlmerge.lab.paired import bootstrap_difference
 from rlmerge.lab.pipeline import SIZES, LabSize, SeedResult, _eval_sets, _log, _score, run_merges
 from rlmerge.lab.sft import train_sft_agent
 from rlmerge.lab.tasks import FAMILIES
+from rlmerge.lab.workdir import claim
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _agents_for(dial: Dial, size: LabSize, seed_dir: Path, work: Path, seed: int
 def run_mechanism(seed_dir: Path, out: Path, *, seed: int, size_name: str = "tiny") -> dict[str, Any]:
     """Every dial from one lab seed's base (`seed_dir` = a `rlmerge lab` output's seedN folder)."""
     size = SIZES[size_name]
-    out.mkdir(parents=True, exist_ok=True)
+    claim(out, [seed_dir], what="rlmerge lab --mechanism-from")
     test = _eval_sets(size, "test", size.n_test, seed)
     val = _eval_sets(size, "val", size.n_val, seed)
     base = seed_dir / "base"

@@ -39,6 +39,7 @@ from rlmerge.lab.report import markdown_table, plot
 from rlmerge.lab.tasks import FAMILIES, Example, make_family, make_split
 from rlmerge.lab.tokenizer import build_tokenizer
 from rlmerge.lab.views import Kind
+from rlmerge.lab.workdir import claim
 
 
 @dataclass(frozen=True)
@@ -347,7 +348,7 @@ def run_lab(
     torch.set_num_threads(1)
     size = SIZES[size_name]
     plans = list(methods if methods is not None else size.methods)
-    out.mkdir(parents=True, exist_ok=True)
+    claim(out)
     start = time.time()
     results = [run_seed(size, out / f"seed{s}", s, plans) for s in range(first_seed, first_seed + seeds)]
     rows = list(results[0].scores)
