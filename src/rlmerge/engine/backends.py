@@ -43,6 +43,7 @@ class Run:
     extras: list[Checkpoint] = field(default_factory=list)  # per-agent side inputs (Fisher diagonals)
     prepared: Any = None  # spec.prepare's constants, set between the passes
     read_bytes: int = 0  # what the passes read, as they read it
+    cache: Any = None  # cache.CacheView: what earlier merges of the same inputs gathered (a sweep), or None
 
     def context(self, job: Job, blk: Block, prepared: Any) -> BlockContext:
         return BlockContext(job.name, blk.start, blk.stop, job.info.shape, job.present, prepared,

@@ -2,6 +2,8 @@
 
 A tensor that fits in one block is read once (selected in memory); ``ties_global``'s thresholds are its
 statistics pass. The thresholds come from the torch path's ``GtaObserver``, so the bytes are the torch path's.
+With a sweep's cache (engine/cache.py) a tensor whose window is cached is read once, and one whose round-0
+histogram is cached skips that round; what this backend finds is added to the cache.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .match import Job
 
 if TYPE_CHECKING:
     from .backends import Run
+    from .cache import CacheView
 
 SELECTING = ("magnitude", "magnitude-global", "outliers")  # the sparsify presets that keep a window of |τ|
 
@@ -30,10 +33,18 @@ def selects(obs: GtaObserver, job: Job) -> bool:
         r for t in range(obs.n) for r in _ranks(obs.preset.prune, job.numel, obs.density[t], obs.gamma[t]))
 
 
-def select_reads(obs: GtaObserver, job: Job, block: int) -> int:
+def select_reads(obs: GtaObserver, job: Job, block: int, cached: CacheView | None = None) -> int:
     """Reads of ``job`` in the merge pass: one per selection round and one to merge, unless it fits in one
-    block (then it is read once and selected in memory)."""
-    return ROUNDS + 1 if selects(obs, job) and job.numel > block else 1
+    block (then it is read once and selected in memory). A cached window: one read; a cached round-0
+    histogram: one round fewer."""
+    if not selects(obs, job) or job.numel <= block:
+        return 1
+    if cached is not None:  # (a whole-model window is found in the statistics pass, not here)
+        if cached.window(obs, job.name) is not None:
+            return 1
+        if cached.hist0(job.name) is not None:
+            return ROUNDS
+    return ROUNDS + 1
 
 
 class SelectBackend:
@@ -53,7 +64,7 @@ class SelectBackend:
         self._numel = 0
 
     def reads(self, job: Job) -> int:
-        return select_reads(self.obs, job, self.fast.block)
+        return select_reads(self.obs, job, self.fast.block, self.run.cache)
 
     # -- the selection rounds --------------------------------------------------------------------------
     def _count(self, job: Job, start: int, base: np.ndarray, agents: Any) -> None:
@@ -80,12 +91,31 @@ class SelectBackend:
         if sel.round == 0:
             counts = self.hist0.sum(axis=(0, 2))  # [N, BINS[0] + 1]: threads and sub-histograms added
             self.hist0[:] = 0
+            if name is not None and self.run.cache is not None:
+                self.run.cache.put_hist0(name, counts)
         else:
             counts = self.histq.sum(0)[:, :BINS[sel.round]]
             self.histq[:] = 0
         self.obs.add_counts(counts, self._numel)
         self._numel = 0
-        return self.obs.again(name)
+        return self._again(name)
+
+    def _again(self, name: str | None) -> bool:
+        """The observer's ``again``; a tensor's finished window goes into the cache."""
+        more = self.obs.again(name)
+        if not more and name is not None and self.run.cache is not None:
+            self.run.cache.put_window(self.obs, name, self.obs.window(name))
+        return more
+
+    def _cached_round0(self, job: Job) -> bool | None:
+        """Round 0 of ``job`` from the cache: None when it holds no histogram, else whether more rounds follow."""
+        cached = self.run.cache
+        counts = cached.hist0(job.name) if cached is not None else None
+        if counts is None:
+            return None
+        cached.used("hist0")  # type: ignore[union-attr]
+        self.obs.add_counts(counts, job.numel)
+        return self._again(job.name)
 
     # -- the statistics pass (ties_global: both rounds over the whole model; else counts only) -------------
     def statistics(self, jobs: list[Job], bar: Any) -> None:
@@ -104,23 +134,32 @@ class SelectBackend:
 
     # -- the merge pass --------------------------------------------------------------------------------
     def begin_merge(self, jobs: list[Job]) -> None:
-        self._blocks = self.fast.blocks(jobs, self.reads)
+        self._reads = {j.name: self.reads(j) for j in jobs}  # fixed now: the cache grows while merging
+        self._blocks = self.fast.blocks(jobs, lambda j: self._reads[j.name])
 
     def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
         """All reads of one job (``reads(job)`` times its blocks): thresholds, then the fused merge."""
         fast, blocks = self.fast, self._blocks
         nblocks = -(-job.numel // fast.block)
+        reads = self._reads[job.name]
 
         def take() -> tuple[int, int, Any, np.ndarray, np.ndarray]:  # counted on the first read only
             return next_block(blocks, job, fast, ts if first_read else None, self.stats_args)
 
         first_read = True
         own = selects(self.obs, job)
+        window = None
         if not self.whole_model:
             self.obs.begin_tensor(job.name, job.numel)  # its ranks and default window
-        if self.reads(job) > 1:
-            selecting = True
-            for _ in range(ROUNDS):  # each round fixes one more digit of every threshold
+            window = self.run.cache.window(self.obs, job.name) if own and self.run.cache is not None else None
+        if window is not None:  # selected by an earlier merge of these inputs
+            self.run.cache.used("bounds")  # type: ignore[union-attr]
+            self.obs.bounds[job.name] = window
+            own = False
+        if reads > 1:
+            cached = self._cached_round0(job)
+            selecting = cached is not False
+            for _ in range(ROUNDS if cached is None else ROUNDS - 1):  # each fixes one more digit of the thresholds
                 for _ in range(nblocks):
                     start, _stop, _slot, base, agents = take()  # a round not needed still takes its blocks
                     if selecting:
@@ -129,11 +168,11 @@ class SelectBackend:
                 selecting = selecting and self._end_round(job.name)
         for _ in range(nblocks):
             start, stop, slot, base, agents = take()
-            if own and self.reads(job) == 1:  # the whole tensor is this block: select in memory
-                while True:
+            if own and reads == 1:  # the whole tensor is this block: select in memory
+                more = self._cached_round0(job)
+                while more is not False:
                     self._count(job, start, base, agents)
-                    if not self._end_round(job.name):
-                        break
+                    more = self._end_round(job.name)
             merged = fast.out_view(slot, job, stop - start)
             self._merge(job, base, agents, merged)
             write_slot(out, slot, merged)

@@ -6,10 +6,10 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError, RLMergeError, raise_all
 from ..io.checkpoint import SIDE_FILES, Checkpoint
@@ -25,7 +25,10 @@ from .match import Match
 from .passes import merge_pass, statistics_pass
 from .preflight import preflight
 from .progress import Progress
-from .route import route
+from .route import Route, route
+
+if TYPE_CHECKING:
+    from .cache import CacheView, StatsCache
 
 
 @dataclass
@@ -48,7 +51,7 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           shard_size: str | int = DEFAULT_SHARD_SIZE, block_size: int = DEFAULT_BLOCK, device: str = "cpu",
           force: bool = False, allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
           quiet: bool = True, recipe: Mapping[str, Any] | None = None, resume: bool = False,
-          fsync: bool = True) -> MergeResult:
+          fsync: bool = True, cache: StatsCache | None = None) -> MergeResult:
     """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
 
     >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
@@ -58,7 +61,8 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     ``resume=True`` continues a run that was interrupted (Ctrl-C, SIGTERM, disk full) after its last
     complete shard; the output is byte-identical to an uninterrupted run. ``fsync=False`` leaves flushing the
     output to the OS (faster on a slow disk; a power cut soon after the merge may lose it, and ``resume``
-    still verifies every kept shard by its CRC-32).
+    still verifies every kept shard by its CRC-32). ``cache`` (engine/cache.py): statistics shared with other
+    merges of the same inputs (``rlmerge.sweep`` keeps one).
     """
     t0 = time.perf_counter()
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
@@ -72,7 +76,7 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
             result = _run(pf.match, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,
                           block_size=pf.block_size, device=device, seed=seed, quiet=quiet, recipe=recipe,
-                          extras=extras, fsync=fsync)
+                          extras=extras, fsync=fsync, cache=cache.view(pf.match, extras) if cache else None)
     finally:
         pf.close()
     result.seconds = time.perf_counter() - t0
@@ -81,43 +85,119 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
 
 def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_bytes: int, block_size: int,
          device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
-         extras: list[Checkpoint] | None = None, fsync: bool = True) -> MergeResult:
+         extras: list[Checkpoint] | None = None, fsync: bool = True, cache: CacheView | None = None) -> MergeResult:
     extras = extras or []
-    stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
-    run = Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents)), extras=extras)
-    chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=partial.resumed > 0)
+    metadata, fp = output_fingerprint(match, spec, p, seed=seed, recipe=recipe, device=device,
+                                      shard_bytes=shard_bytes, extras=extras)
+
+    def writer(background: bool) -> CheckpointWriter:
+        return CheckpointWriter(partial, match.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp,
+                                fsync=fsync, identity=input_identity([match.base, *match.agents, *extras]),
+                                background=background)
+
+    return execute(match, spec, p, writer, output=partial.output, block_size=block_size, device=device, seed=seed,
+                   quiet=quiet, recipe=recipe, extras=extras, cache=cache)
+
+
+def output_fingerprint(match: Match, spec: MethodSpec, p: Any, *, seed: int, recipe: Mapping[str, Any] | None,
+                       device: str, shard_bytes: int, extras: Sequence[Checkpoint]) -> tuple[dict[str, str], str]:
+    """(the shards' metadata, the fingerprint of everything that decides the output bytes: what --resume checks)."""
     metadata = {"rlmerge_method": spec.name}
     fp = fingerprint([match.base, *match.agents, *extras], {
         "method": spec.name, "params": repr(p), "seed": seed, "recipe": recipe, "metadata": metadata,
         "device": device_type(device),  # float results may differ between CPU and GPU kernels
         "headers": [shard_header(s, metadata).hex() for s in layout_shards(match.jobs, shard_bytes)]})
+    return metadata, fp
+
+
+def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool], Any], *, output: Path,
+            block_size: int, device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
+            extras: Sequence[Checkpoint] = (), cache: CacheView | None = None) -> MergeResult:
+    """One merge, into the writer ``make_writer(background)`` returns: ``CheckpointWriter`` (shards in a partial
+    folder) or ``io.memory.MemoryWriter`` (a sweep's candidate, a state dict). ``cache``: statistics an earlier
+    merge of the same inputs gathered (a sweep's); what it covers is not read again, and what this merge
+    gathers is added to it."""
+    extras = list(extras)
+    stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
+    run = Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents)), extras=extras,
+              cache=cache)
+    chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, cached=cache)
     fast, torch_backend = make_backends(chosen, run, block_size=block_size, device=device)
-    writer = CheckpointWriter(partial, match.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp,
-                              fsync=fsync, identity=input_identity([match.base, *match.agents, *extras]),
-                              background=fast is not None)
+    writer = make_writer(fast is not None)
     with Progress(quiet=quiet) as progress, _closing(fast), writer:
-        if partial.resumed:  # the kept shards' tensors are not merged again: a statistics pass recounts them
-            chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=True)
+        if writer.resumed:  # the kept shards' tensors are not merged again: a statistics pass recounts them
+            chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=True,
+                           cached=cache)
+        collect = not chosen.statistics
         if chosen.statistics:
             statistics_pass(run, chosen, fast, torch_backend, progress)
             stats.observed = run.observer
+            if cache is not None:
+                cache.put_counts(spec, p, stats, chosen.stats_fast)
+                cache.put_observer(run.observer)
+        elif cache is not None:
+            run.stats = stats = cached_statistics(cache, match, spec, p, chosen, counted=chosen.method_statistics
+                                        or writer.resumed > 0) or stats
+            collect = not stats.tensors
+            if not collect and chosen.method_statistics:  # what the skipped pass would have observed
+                cache.fill_observer(run.observer, match.merge_jobs)
+                stats.observed = run.observer
         needs = chosen.method_statistics
         run.prepared = spec.prepare(p, stats if needs else None, len(match.agents))
         warnings = [*match.warnings, *getattr(run.prepared, "warnings", ())]
-        result = MergeResult(partial.output, spec.name, p, stats, warnings=warnings, passes=chosen.passes)
+        result = MergeResult(output, spec.name, p, stats, warnings=warnings, passes=chosen.passes)
         if run.prepared is not None and hasattr(run.prepared, "lambdas"):
             result.lambdas, result.rho = list(run.prepared.lambdas), list(run.prepared.rho)
-        merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=not chosen.statistics)
+        merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=collect)
+        if collect and cache is not None:
+            cache.put_counts(spec, p, stats, chosen.fast)  # counted by the backend that merged each tensor
         if not needs:
             result.warnings += stats.identical_agents()
-        _side_files(match.base, writer, match)
-        # The statistics this merge already collected feed the report: no extra pass.
-        doc = build_report(stats, dtype_facts(match), base=match.base.label, warnings=result.warnings)
-        writer.write_text(REPORT_FILE, to_json(doc))
-        writer.write_text("README.md", model_card(match, result) + "\n" + to_markdown(doc, level=2))
-        writer.finish(provenance(match, result, recipe))
+        finish_output(writer, match, result, recipe)
     result.read_bytes, result.write_bytes = run.read_bytes, match.write_bytes
     return result
+
+
+def statistics_only(match: Match, spec: MethodSpec, p: Any, chosen: Route, *, block_size: int, device: str,
+                    seed: int, extras: Sequence[Checkpoint] = (),
+                    cache: CacheView | None = None) -> tuple[Statistics, Any, int]:
+    """The statistics pass of ``chosen`` alone: (statistics, the method's observer after it, bytes read). What a
+    sweep counts once before its candidates run elsewhere, and what a Ray task counts for its tensors."""
+    stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
+    run = Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents)), extras=list(extras))
+    fast, torch_backend = make_backends(chosen, run, block_size=block_size, device=device)
+    with Progress(quiet=True) as progress, _closing(fast):
+        statistics_pass(run, chosen, fast, torch_backend, progress)
+    stats.observed = run.observer
+    if cache is not None:
+        cache.put_counts(spec, p, stats, chosen.stats_fast)
+        cache.put_observer(run.observer)
+    return stats, run.observer, run.read_bytes
+
+
+def finish_output(writer: Any, match: Match, result: MergeResult, recipe: Mapping[str, Any] | None) -> None:
+    """After the last tensor: side files, the report and model card, then the writer's ``finish`` (the index,
+    ``rlmerge.json``, the rename onto the output)."""
+    _side_files(match.base, writer, match)
+    # The statistics this merge already collected feed the report: no extra pass.
+    doc = build_report(result.statistics, dtype_facts(match), base=match.base.label, warnings=result.warnings)
+    writer.write_text(REPORT_FILE, to_json(doc))
+    writer.write_text("README.md", model_card(match, result) + "\n" + to_markdown(doc, level=2))
+    writer.finish(provenance(match, result, recipe))
+
+
+def cached_statistics(cache: CacheView, match: Match, spec: MethodSpec, p: Any, chosen: Route, *,
+            counted: bool) -> Statistics | None:
+    """The counts ``cache`` holds for this merge, as this merge would have counted them, or None.
+
+    ``counted``: a statistics pass would have counted them (numba's tensors first, then torch's); else the merge
+    pass would have, in job order, each on the backend that merges it."""
+    jobs = match.merge_jobs
+    numba = chosen.stats_fast if counted else chosen.fast
+    if not cache.has_counts(spec, p, jobs, numba):
+        return None
+    order = [j for j in jobs if j.name in numba] + [j for j in jobs if j.name not in numba] if counted else jobs
+    return cache.statistics(spec, p, [a.label for a in match.agents], order, numba)
 
 
 @contextlib.contextmanager

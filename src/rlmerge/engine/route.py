@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..io.checkpoint import Checkpoint
 from ..methods import MethodSpec
@@ -31,6 +31,9 @@ from .fast import eligible, enabled, fast_block, row_step
 from .fast_random import MASK_BYTES, random_reads
 from .fast_select import select_reads
 from .match import Job, Match
+
+if TYPE_CHECKING:
+    from .cache import CacheView
 
 Kind = Literal["fused", "select", "random", "torch"]
 SELECTING = ("magnitude", "magnitude-global", "outliers")  # sparsify presets that keep a window of |τ|
@@ -56,10 +59,12 @@ class Route:
 
 
 def route(match: Match, spec: MethodSpec | None, p: Any, *, device: str = "cpu", block_size: int,
-          extras: Sequence[Checkpoint] = (), resumed: bool = False, agents: int | None = None) -> Route:
+          extras: Sequence[Checkpoint] = (), resumed: bool = False, agents: int | None = None,
+          cached: CacheView | None = None) -> Route:
     """The route of a merge of ``match`` with ``spec`` and ``p`` (``spec`` None: ``inspect``, the statistics
     pass alone). ``agents``: the number of agents to budget memory for (a plan whose agents could not all be
-    opened still estimates for every one)."""
+    opened still estimates for every one). ``cached``: statistics an earlier merge of the same inputs gathered
+    (engine/cache.py); what they cover is not read again."""
     n = len(match.agents)
     jobs = match.merge_jobs
     if spec is None:  # inspect: the statistics pass alone, on torch (its extra counters are torch's)
@@ -73,11 +78,13 @@ def route(match: Match, spec: MethodSpec | None, p: Any, *, device: str = "cpu",
     stats_fast = fast if (observer is None or kind in ("select", "random")) else frozenset()
     block = fast_block(match, block_size)
     whole_model = isinstance(observer, GtaObserver) and observer.preset.prune == "magnitude-global"
-    needs = spec.needs_stats(p) or (observer is not None and (kind in ("fused", "torch") or whole_model))
-    statistics = needs or resumed
+    observed = observer is not None and (kind in ("fused", "torch") or whole_model)  # fed in the statistics pass
+    needs = spec.needs_stats(p) or observed
+    statistics = (needs or resumed) and not (
+        cached is not None and cached.covers(spec, p, observer, jobs, stats_fast, observed=observed))
     stats_reads = {j.name: (_stats_reads(observer, j, j.name in stats_fast) if statistics else 0) for j in jobs}
     step = (lambda j: row_step(j.info.shape, j.numel, block)) if spec.row_blocks(p) else (lambda j: block)
-    merge_reads = {j.name: _merge_reads(kind if j.name in fast else "torch", observer, p, j, block, step(j))
+    merge_reads = {j.name: _merge_reads(kind if j.name in fast else "torch", observer, p, j, block, step(j), cached)
                    for j in jobs}
     read_bytes = sum((stats_reads[j.name] + merge_reads[j.name]) * _bytes(match, j, extras) for j in jobs)
     read_bytes += sum(j.info.nbytes for j in match.jobs if j.kind == "copy")
@@ -114,9 +121,10 @@ def _stats_reads(observer: Any, job: Job, numba: bool) -> int:
     return streams(job.name, job.numel, numba) if streams is not None else 1
 
 
-def _merge_reads(kind: Kind, observer: Any, p: Any, job: Job, block: int, step: int) -> int:
+def _merge_reads(kind: Kind, observer: Any, p: Any, job: Job, block: int, step: int,
+                 cached: CacheView | None) -> int:
     if kind == "select":
-        return select_reads(observer, job, block)
+        return select_reads(observer, job, block, cached)
     if kind == "random":
         return random_reads(p, job, step)
     return 1

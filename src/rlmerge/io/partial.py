@@ -428,21 +428,12 @@ class PartialDir:
 
     # -- files -----------------------------------------------------------------------------------------
     def create(self, name: str) -> Any:
-        """A new, empty file ``name`` in the partial folder, open for reading and writing (binary).
-
-        Whatever stood at that name (in this folder of ours) is unlinked first and the file is created with
-        O_EXCL | O_NOFOLLOW: no link, hard link or file left there is ever written through.
-        """
-        path = self.tmp / name
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-        return os.fdopen(os.open(path, flags, 0o644), "r+b")
+        """A new, empty file ``name`` in the partial folder, open for reading and writing (``create_file``)."""
+        return create_file(self.tmp, name)
 
     def reopen(self, name: str) -> Any:
         """A file this run created, open for reading and writing at its start (never through a link)."""
-        fd = os.open(self.tmp / name, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
-        return os.fdopen(fd, "r+b")
+        return reopen_file(self.tmp, name)
 
     def note(self, name: str, nbytes: int, crc32: int) -> None:
         """A file of this run is complete: it goes into the manifest."""
@@ -567,6 +558,25 @@ class PartialDir:
                 (self.tmp / LOCK).unlink()
                 self.tmp.rmdir()
         self._unlock()
+
+
+def create_file(folder: Path, name: str) -> Any:
+    """A new, empty file ``name`` in ``folder`` (one of ours), open for reading and writing (binary).
+
+    Whatever stood at that name is unlinked first and the file is created with O_EXCL | O_NOFOLLOW: no link, hard
+    link or file left there is ever written through.
+    """
+    path = folder / name
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    return os.fdopen(os.open(path, flags, 0o644), "r+b")
+
+
+def reopen_file(folder: Path, name: str) -> Any:
+    """A file of ours in ``folder``, open for reading and writing at its start (never through a link)."""
+    fd = os.open(folder / name, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
+    return os.fdopen(fd, "r+b")
 
 
 def _rename_noreplace(src: Path, dst: Path) -> None:

@@ -193,12 +193,14 @@ class CheckpointWriter:
 
     def __init__(self, partial: PartialDir, jobs: Sequence[Job], *, shard_size: int = DEFAULT_SHARD_SIZE,
                  metadata: dict[str, str] | None = None, fingerprint: str = "", fsync: bool = True,
-                 identity: list[list[Any]] | None = None, background: bool = False) -> None:
+                 identity: list[list[Any]] | None = None, background: bool = False,
+                 shards: list[Shard] | None = None) -> None:
         self.partial = partial
         self.fsync = fsync  # False: the OS writes the shards back when it likes (see merge(fsync=))
         self.output = partial.output
         self.tmp = partial.tmp
-        self.shards = layout_shards(jobs, shard_size)
+        # ``shards``: some shards of a larger layout (a Ray worker's); their names and headers are the layout's
+        self.shards = shards if shards is not None else layout_shards(jobs, shard_size)
         self.metadata = {"format": "pt", **(metadata or {})}
         self.fingerprint = fingerprint
         self.identity = identity or []  # the inputs' files (partial.input_identity), re-checked by --resume
@@ -238,6 +240,11 @@ class CheckpointWriter:
             self._fh.close()
             self._fh = None
 
+    @property
+    def resumed(self) -> int:
+        """Shards kept from an interrupted run (known once entered)."""
+        return self.partial.resumed
+
     def pending(self, jobs: Sequence[Job]) -> list[Job]:
         """The jobs not yet written (a resumed run skips the shards it kept), in job order."""
         done = set(self._order[:self._next])
@@ -265,6 +272,16 @@ class CheckpointWriter:
             return fut
         self._last = self._queue.submit(self.write, data)
         return self._last
+
+    def adopt(self, filename: str, nbytes: int, crc32: int) -> None:
+        """The next shard, written into the partial folder by another process (a Ray worker, ``ShardFiles``):
+        recorded as if written here. Shards are adopted in order, after any this writer kept or wrote."""
+        i = self._shard_i + 1
+        if self._fh is not None or self._remaining or i >= len(self.shards) or self.shards[i].filename != filename:
+            raise RuntimeError(f"cannot adopt {filename} as shard {i}")
+        self.partial.record(filename, nbytes, crc32)
+        self._shard_i = i
+        self._next += len(self.shards[i].jobs)
 
     def drain(self) -> None:
         """Wait for every queued write (and raise its error, if any)."""
@@ -342,12 +359,16 @@ class CheckpointWriter:
             raise InputError(f"cannot read: {e.strerror}", file=str(src)) from e
         self.partial.write_bytes(src.name, data)
 
-    def finish(self, manifest: dict[str, Any]) -> Path:
-        """Close the last shard, write the index, and publish with ``rlmerge.json`` = ``manifest`` + file list."""
+    def complete(self) -> None:
+        """Every tensor written: close (fsync, record) the last shard."""
         self.drain()
         if self._next != len(self._order) or self._remaining:
             raise RuntimeError("not every tensor was written")
         self._close_shard()
+
+    def finish(self, manifest: dict[str, Any]) -> Path:
+        """Close the last shard, write the index, and publish with ``rlmerge.json`` = ``manifest`` + file list."""
+        self.complete()
         if len(self.shards) > 1:
             index = {"metadata": {"total_size": sum(s.nbytes for s in self.shards)},
                      "weight_map": {j.name: s.filename for s in self.shards for j in s.jobs}}

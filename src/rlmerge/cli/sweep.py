@@ -1,0 +1,158 @@
+"""`rlmerge sweep`: candidates from --candidate grids or a YAML recipe, scored on --tasks; one call to rlmerge.sweep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from ..engine.candidates import load_sweep_recipe
+from ..engine.sweep import Scored, SweepResult, sweep
+from ..errors import ConfigError
+from . import options as o
+from .console import err, out
+
+
+def sweep_command(
+    models: o.Models = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="the sweep's folder: results.json, report.md, "
+                                                                  "plot.png, the kept checkpoints")] = ...,
+    candidate: Annotated[list[str] | None, typer.Option(
+        "--candidate", help='a grid, repeatable: "METHOD KEY=V1,V2 KEY=V3" (every combination is a candidate)')]
+    = None,
+    recipe: Annotated[Path | None, typer.Option(help="YAML: base_model, models, candidates, and any option")] = None,
+    tasks: Annotated[str | None, typer.Option(help="comma-separated: lab:tool_use, lab:coding, lab:memory, "
+                                                   "lm-eval:TASK")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="examples per task (default 128)")] = None,
+    split: Annotated[str | None, typer.Option(help="the lab tasks' split: val (default) or test")] = None,
+    keep: Annotated[int | None, typer.Option(min=0, help="write the best K candidates as checkpoints")] = None,
+    backend: Annotated[str | None, typer.Option(help="local, or ray (pip install 'rlmerge[ray]')")] = None,
+    workers: Annotated[int | None, typer.Option(min=1, help="Ray: candidates scored at once")] = None,
+    memory: Annotated[str | None, typer.Option(help="build candidates in memory: auto (when they fit), "
+                                                    "always, never")] = None,
+    resume: Annotated[bool, typer.Option(help="continue a stopped sweep; finished candidates are not redone")]
+    = False,
+    force: Annotated[bool, typer.Option(help="start over in a sweep folder rlmerge wrote")] = False,
+    dtype: o.Dtype = None,
+    block_size: o.BlockSize = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda")] = None,
+    seed: Annotated[int | None, typer.Option(help="seed of random methods (a grid may give seed=0,1)")] = None,
+    allow_missing: o.AllowMissing = False,
+    count_tied_twice: o.CountTiedTwice = False,
+    include_path: Annotated[list[Path] | None, typer.Option(help="folder of lm-eval task YAMLs (repeatable)")]
+    = None,
+    num_fewshot: Annotated[int | None, typer.Option(min=0, help="few-shot examples for lm-eval tasks")] = None,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="lm-eval batch size")] = None,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no live table")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print results.json's ranking as JSON")] = False,
+) -> None:
+    """Merge every candidate of BASE and AGENTs, score each on --tasks, rank them, keep the best."""
+    flags = {"tasks": tasks.split(",") if tasks else None, "limit": limit, "split": split, "keep": keep,
+             "backend": backend, "workers": workers, "memory": memory, "dtype": dtype, "block_size": block_size,
+             "device": device, "seed": seed, "allow_missing": allow_missing or None,
+             "count_tied_twice": count_tied_twice or None, "num_fewshot": num_fewshot, "batch_size": batch_size,
+             "include_path": [str(p) for p in include_path] if include_path else None}
+    base, agents, grids, s = _gather(models, recipe, candidate, {k: v for k, v in flags.items() if v is not None})
+    scorer = None
+    if s.get("tasks"):
+        from ..scorers import TaskScorer
+
+        scorer = TaskScorer([t.strip() for t in s["tasks"] if t.strip()], limit=s.get("limit", 128),
+                            split=s.get("split", "val"), seed=s.get("seed", 0),
+                            include_path=list(s.get("include_path", [])), num_fewshot=s.get("num_fewshot"),
+                            batch_size=s.get("batch_size", 8))
+    else:
+        err.print("[yellow]warning:[/] no --tasks: the candidates are merged, not scored")
+    table = _LiveTable(quiet=quiet or json_out)
+    with table:
+        res = sweep(base, agents, output, candidates=grids, scorer=scorer, keep=s.get("keep", 0), resume=resume,
+                    force=force, backend=s.get("backend", "local"), workers=s.get("workers"),
+                    memory=s.get("memory", "auto"), dtype=s.get("dtype"), device=s.get("device", "cpu"),
+                    seed=s.get("seed", 0), allow_missing=s.get("allow_missing", False),
+                    count_tied_twice=s.get("count_tied_twice", False),
+                    settings=scorer.settings() if scorer is not None else {},
+                    on_result=table.add, quiet=quiet or json_out,
+                    **({"block_size": s["block_size"]} if s.get("block_size") else {}))
+    if json_out:
+        out.print_json(json.dumps(_summary(res)))
+    elif not quiet:
+        _print_summary(res)
+
+
+def _gather(models: list[str] | None, recipe: Path | None, grids: list[str] | None,
+            flags: dict[str, Any]) -> tuple[str, list[str], list[Any], dict[str, Any]]:
+    """Models, candidates and settings from the command line or a recipe, the recipe's values overridden by flags."""
+    settings: dict[str, Any] = {}
+    cands: list[Any] = list(grids or [])
+    if recipe is not None:
+        rec = load_sweep_recipe(recipe)
+        if models:
+            raise ConfigError("give models either on the command line or in --recipe, not both")
+        base, agents = rec.base, rec.agents
+        cands = [*rec.candidates, *cands]
+        settings.update(rec.settings)
+    else:
+        if not models or len(models) < 2:
+            raise ConfigError("need BASE and at least one AGENT (or --recipe)")
+        base, agents = models[0], models[1:]
+    if not cands:
+        raise ConfigError("no candidates", hint='give --candidate "ram+ r=0.05,0.1 alpha=1,2" (repeatable)')
+    settings.update(flags)
+    return base, agents, cands, settings
+
+
+class _LiveTable:
+    """The candidates as they are scored, best average first (rich Live on stderr)."""
+
+    def __init__(self, *, quiet: bool) -> None:
+        self.rows: list[Scored] = []
+        self.live = None if quiet else Live(self._table(), console=err, refresh_per_second=4, transient=False)
+
+    def __enter__(self) -> _LiveTable:
+        if self.live is not None:
+            self.live.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+    def add(self, s: Scored) -> None:
+        self.rows.append(s)
+        if self.live is not None:
+            self.live.update(self._table())
+
+    def _table(self) -> Table:
+        tasks = list(dict.fromkeys(k for s in self.rows for k in s.scores))
+        t = Table(title=f"rlmerge sweep: {len(self.rows)} candidate(s) scored")
+        for col in ("candidate", *tasks, "average", "built in", "passes", "s"):
+            t.add_column(col, justify="left" if col == "candidate" else "right")
+        for s in sorted(self.rows, key=lambda s: -(s.average if s.average is not None else float("-inf"))):
+            t.add_row(s.candidate.label, *(f"{s.scores[k]:.2f}" if k in s.scores else "—" for k in tasks),
+                      f"{s.average:.2f}" if s.average is not None else "—", s.where, "+".join(s.passes),
+                      f"{s.merge_seconds + s.score_seconds:.1f}")
+        return t
+
+
+def _summary(res: SweepResult) -> dict[str, Any]:
+    return {"output": str(res.output), "ranking": [{"label": s.candidate.label, "id": s.candidate.id,
+                                                    "scores": s.scores, "average": s.average} for s in res.ranking],
+            "pareto": [s.candidate.id for s in res.pareto], "kept": [str(p) for p in res.kept],
+            "statistics_passes": res.statistics_passes, "merge_passes": res.merge_passes,
+            "seconds": round(res.seconds, 3)}
+
+
+def _print_summary(res: SweepResult) -> None:
+    out.print(f"{len(res.scored)} candidates: {res.statistics_passes} statistics pass(es), "
+              f"{res.merge_passes} merge pass(es), {res.seconds:.1f} s")
+    if res.ranking and res.ranking[0].average is not None:
+        best = res.ranking[0]
+        out.print(f"best: [bold]{best.candidate.label}[/] (average {best.average:.2f})")
+    for p in res.kept:
+        out.print(f"kept [bold]{p}[/]")
+    if res.output is not None:
+        out.print(f"wrote {res.output / 'results.json'} and {res.output / 'report.md'}")

@@ -1,0 +1,185 @@
+"""One sweep candidate: merged (in memory where it fits, else into a scratch folder), scored, freed.
+
+What a candidate's build shares with the others is a ``Context`` (picklable: a Ray task gets it whole) and the
+statistics cache (cache.py). ``sweep.py`` runs candidates one after the other; ``distributed.py`` runs them as Ray
+tasks. A scorer is any callable ``scorer(built) -> {task: score}`` (higher is better).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ..errors import ConfigError, raise_all
+from ..io.memory import MemoryWriter
+from ..io.sweepdir import SweepDir
+from . import budget
+from .cache import StatsCache
+from .candidates import Candidate
+from .merge import MergeResult, execute, merge, statistics_only
+from .preflight import Preflight, preflight
+from .route import route
+
+Memory = Literal["auto", "always", "never"]
+HEADROOM = 0.8  # of the memory available: what an in-memory candidate (model, scorer's copy, merge) may take
+
+
+@dataclass
+class Built:
+    """A merged candidate, as a scorer gets it: a folder on disk (``path``), or tensors in memory."""
+
+    candidate: Candidate
+    path: Path | None  # a checkpoint folder (a candidate too large for memory), else None
+    tensors: dict[str, Any] | None  # name → torch tensor in the output dtype (in memory), else None
+    config: dict[str, Any]  # the merged checkpoint's config.json
+    side_dir: Path  # where the tokenizer and other side files are (the base's, or ``path``)
+    result: MergeResult
+
+
+Scorer = Callable[[Built], Mapping[str, float]]
+
+
+@dataclass
+class Scored:
+    """One candidate's outcome."""
+
+    candidate: Candidate
+    scores: dict[str, float]
+    where: str  # "memory" or "disk": where it was built
+    merge_seconds: float
+    score_seconds: float
+    passes: list[str]  # what its merge ran ("merge" alone when the cache held its statistics)
+    read_bytes: int
+    lambdas: list[float] | None = None
+
+    @property
+    def average(self) -> float | None:
+        return sum(self.scores.values()) / len(self.scores) if self.scores else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.candidate.to_json(), "scores": self.scores, "average": self.average, "where": self.where,
+                "merge_seconds": round(self.merge_seconds, 3), "score_seconds": round(self.score_seconds, 3),
+                "passes": self.passes, "read_bytes": self.read_bytes, "lambdas": self.lambdas}
+
+
+@dataclass
+class Context:
+    """What every candidate's build shares (picklable: a Ray task gets it whole)."""
+
+    base: str
+    agents: list[str]
+    options: dict[str, Any]  # dtype, block_size, device, allow_missing, count_tied_twice
+    memory: Memory
+    side_dir: Path
+    scratch: Path | None  # where a candidate too large for memory is merged (the sweep folder, or None: a temp)
+
+
+
+
+def build_and_score(ctx: Context, c: Candidate, scorer: Scorer | None, cache: StatsCache) -> Scored:
+    """Merge candidate ``c`` (in memory where it fits, else into a scratch folder), score it, free it."""
+    t0 = time.perf_counter()
+    pf = preflight(ctx.base, ctx.agents, None, method=c.method, params=dict(c.params), seed=c.seed, **ctx.options)
+    scratch: Path | None = None
+    try:
+        raise_all(pf.problems)
+        assert pf.match is not None and pf.spec is not None
+        if _in_memory(ctx, pf):
+            built = _in_memory_build(ctx, c, pf, cache)
+        else:
+            pf.close()
+            scratch, built = _on_disk_build(ctx, c, cache)
+    finally:
+        pf.close()
+    merged = time.perf_counter()
+    try:
+        scores = _scores(c, scorer(built)) if scorer is not None else {}
+    finally:
+        res = built.result
+        del built  # the state dict goes before the next candidate is built
+        if scratch is not None:
+            _remove_scratch(ctx, scratch)
+    return Scored(c, scores, "disk" if scratch is not None else "memory", merged - t0,
+                  time.perf_counter() - merged, res.passes, res.read_bytes, res.lambdas)
+
+
+def warm(ctx: Context, cands: Sequence[Candidate], cache: StatsCache) -> None:
+    """Count here, once per kind, the statistics ``cands`` need (RAM+'s counts, a whole-model threshold): candidates
+    then built elsewhere in parallel (Ray) find them in the cache instead of each counting them."""
+    for c in cands:
+        pf = preflight(ctx.base, ctx.agents, None, method=c.method, params=dict(c.params), seed=c.seed, **ctx.options)
+        try:
+            raise_all(pf.problems)
+            assert pf.match is not None and pf.spec is not None
+            extras = [x for x in pf.extras if x is not None]
+            view = cache.view(pf.match, extras)
+            chosen = route(pf.match, pf.spec, pf.params, device=ctx.options["device"], block_size=pf.block_size,
+                           extras=extras, cached=view)
+            if chosen.statistics:
+                statistics_only(pf.match, pf.spec, pf.params, chosen, block_size=pf.block_size,
+                                device=ctx.options["device"], seed=c.seed, extras=extras, cache=view)
+        finally:
+            pf.close()
+
+
+def memory_needed(pf: Preflight) -> int:
+    """Bytes an in-memory candidate takes at its peak: the merged tensors, a float32 copy of them (a scorer's
+    model) and the merge's own working memory (the route's estimate)."""
+    assert pf.match is not None and pf.memory is not None
+    return pf.match.write_bytes + 4 * sum(j.numel for j in pf.match.jobs) + pf.memory.total
+
+
+def _in_memory(ctx: Context, pf: Preflight) -> bool:
+    if ctx.memory != "auto":
+        return ctx.memory == "always"
+    free = budget.available_memory()
+    return free is None or memory_needed(pf) <= HEADROOM * free
+
+
+def _in_memory_build(ctx: Context, c: Candidate, pf: Preflight, cache: StatsCache) -> Built:
+    assert pf.match is not None and pf.spec is not None
+    extras = [x for x in pf.extras if x is not None]
+    writers: list[MemoryWriter] = []
+
+    def make(background: bool) -> MemoryWriter:
+        writers.append(MemoryWriter(pf.match.jobs, metadata={"rlmerge_method": pf.spec.name}))  # type: ignore
+        return writers[-1]
+
+    res = execute(pf.match, pf.spec, pf.params, make, output=Path(f"memory:{c.id}"), block_size=pf.block_size,
+                  device=ctx.options["device"], seed=c.seed, quiet=True, recipe=None, extras=extras,
+                  cache=cache.view(pf.match, extras))
+    return Built(c, None, writers[0].tensors(), writers[0].config(), ctx.side_dir, res)
+
+
+def _on_disk_build(ctx: Context, c: Candidate, cache: StatsCache) -> tuple[Path, Built]:
+    parent = ctx.scratch if ctx.scratch is not None else Path(tempfile.mkdtemp(prefix="rlmerge-sweep-"))
+    out = parent / f"candidate-{c.id}"
+    res = merge(ctx.base, ctx.agents, out, method=c.method, params=dict(c.params), seed=c.seed, force=True,
+                fsync=False, cache=cache, **ctx.options)
+    config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    return out, Built(c, out, None, config, out, res)
+
+
+def _remove_scratch(ctx: Context, out: Path) -> None:
+    """Remove a scored candidate's folder: inside the sweep folder once proven rlmerge's; a temp folder whole."""
+    if ctx.scratch is not None:
+        SweepDir.remove_written(out)
+    else:
+        shutil.rmtree(out.parent, ignore_errors=True)
+
+
+def _scores(c: Candidate, scores: Mapping[str, float]) -> dict[str, float]:
+    out = {}
+    for k, v in dict(scores).items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"the scorer gave {k!r}: {v!r} for candidate {c.label!r}",
+                              hint="a scorer returns {task name: finite number}, higher is better")
+        out[k] = float(v)
+    return out

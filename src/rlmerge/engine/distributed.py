@@ -1,0 +1,383 @@
+"""The Ray backend (``pip install 'rlmerge[ray]'``): a sweep's candidates as Ray tasks, one large merge split by shard.
+
+Imported only when asked for (``backend="ray"``, ``rlmerge merge --backend ray``); nothing else imports Ray.
+
+- **Sweep**: the driver counts the statistics each kind of candidate needs first (``sweep.warm``) and ships the
+  cache once (counts are kilobytes, round-0 histograms a few MB); each task builds one candidate (in memory where
+  it fits, else in the sweep folder, which every node must mount) and scores it, one per GPU when the device is
+  CUDA, one per CPU otherwise. Results are recorded as they come back, so a stopped sweep resumes after them.
+- **One merge**: statistics mapped over groups of tensors (each task reads its tensors from shared storage and
+  returns their counts: kilobytes), reduced on the driver in the order a local merge counts them; the driver
+  prepares the method's constants (λ, thresholds) and ships them; each merge task writes whole shards into the
+  partial folder (``io.shardfiles``) and returns their sizes and CRC-32s; the driver records the shards in order,
+  writes the index, report and provenance, and publishes. Weights never pass through Ray's object store. The bytes
+  are the local merge's for any number of workers and any partition (tests/test_distributed.py).
+- **Faults**: a task whose worker dies is retried (``retries``) and replaces its own files; when retries run out
+  the merge stops with the completed prefix of shards recorded, and ``resume=True`` finishes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
+from ..io.partial import PartialDir, input_identity
+from ..io.shardfiles import ShardFiles
+from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards
+from ..methods.gta import GtaObserver
+from ..stats import Statistics, TensorStats
+from .backends import Run, make_backends
+from .blocks import DEFAULT_BLOCK
+from .build import Context, Scored, Scorer, build_and_score, warm
+from .cache import StatsCache
+from .candidates import Candidate
+from .merge import MergeResult, cached_statistics, check_copies, finish_output, output_fingerprint, statistics_only
+from .passes import merge_pass
+from .preflight import Preflight, preflight
+from .progress import Progress
+from .route import Route, route
+
+try:
+    import ray
+except ImportError as e:  # the ``ray`` extra is not installed
+    raise ConfigError("the Ray backend needs Ray", hint="pip install 'rlmerge[ray]' (pinned: ray==2.60.0)") from e
+
+
+def init(address: str | None = None) -> None:
+    """Connect to the Ray cluster at ``address`` (or ``RAY_ADDRESS``), or start one on this machine."""
+    if ray.is_initialized():
+        return
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        ray.init(include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(address=address, log_to_driver=False)
+
+
+def _get(refs: list[Any], on_done: Callable[[int, Any], None], *, limit: int | None,
+         submit: Callable[[int], Any]) -> None:
+    """Submit ``submit(i)`` for i in range(len(refs)) keeping at most ``limit`` in flight; ``on_done(i, value)`` as
+    each finishes. A task's error (after its retries) cancels the rest and is raised as rlmerge's error."""
+    pending: dict[Any, int] = {}
+    nxt = 0
+    try:
+        while nxt < len(refs) or pending:
+            while nxt < len(refs) and (limit is None or len(pending) < limit):
+                pending[submit(nxt)] = nxt
+                nxt += 1
+            done, _ = ray.wait(list(pending), num_returns=1)
+            i = pending.pop(done[0])
+            on_done(i, ray.get(done[0]))
+    except ray.exceptions.RayTaskError as e:
+        _cancel(pending)
+        cause = getattr(e, "cause", None)
+        raise cause if isinstance(cause, RLMergeError) else OutputError(
+            f"a Ray task failed: {cause or e}", hint="what finished is kept: rerun with --resume") from e
+    except ray.exceptions.RayError as e:  # a worker or node died and the retries ran out
+        _cancel(pending)
+        raise OutputError(f"a Ray worker died and its task ran out of retries: {type(e).__name__}",
+                          hint="what finished is kept: rerun with --resume") from e
+    except BaseException:
+        _cancel(pending)
+        raise
+
+
+def _cancel(pending: Mapping[Any, int]) -> None:
+    for ref in pending:
+        ray.cancel(ref, force=True)
+
+
+FAULT_ENV = "RLMERGE_RAY_TEST_KILL"  # tests only: see _fault_point
+
+
+def _fault_point() -> None:
+    """Fault injection for tests/test_distributed.py: when the file named by $RLMERGE_RAY_TEST_KILL exists, the
+    worker removes it and dies at once (``os._exit``), as a killed worker would: its shards written, none reported.
+    Unset (always, outside those tests), this does nothing."""
+    path = os.environ.get(FAULT_ENV)
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        os._exit(1)
+
+
+# -- a sweep's candidates ---------------------------------------------------------------------------------------
+@ray.remote
+def _candidate_task(ctx: Context, c: Candidate, scorer: Scorer | None, cache: StatsCache) -> Scored:
+    scored = build_and_score(ctx, c, scorer, cache)
+    _fault_point()
+    return scored
+
+
+def score_on_ray(ctx: Context, todo: Sequence[Candidate], scorer: Scorer | None, cache: StatsCache,
+                 record: Callable[[Scored], None], *, workers: int | None = None, retries: int = 2,
+                 address: str | None = None) -> None:
+    """Build and score ``todo`` as Ray tasks (at most ``workers`` at once); ``record`` each as it finishes."""
+    init(address)
+    warm(ctx, todo, cache)
+    shared = ray.put(cache.detached())
+    gpu = str(ctx.options.get("device", "cpu")).startswith("cuda")
+    task = _candidate_task.options(max_retries=retries, **({"num_gpus": 1} if gpu else {"num_cpus": 1}))
+    _get(list(todo), lambda i, s: record(s), limit=workers,
+         submit=lambda i: task.remote(ctx, todo[i], scorer, shared))
+
+
+# -- one merge, split by output shard ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Request:
+    """What a task needs to open the inputs and match them as the driver did (paths resolved on the driver)."""
+
+    base: str
+    agents: tuple[str, ...]
+    method: str
+    params: dict[str, Any]
+    dtype: str | None
+    shard_bytes: int
+    block_size: int
+    device: str
+    seed: int
+    allow_missing: bool
+    count_tied_twice: bool
+
+    def open(self) -> Preflight:
+        pf = preflight(self.base, list(self.agents), None, method=self.method, params=self.params, dtype=self.dtype,
+                       shard_size=self.shard_bytes, block_size=self.block_size, device=self.device,
+                       allow_missing=self.allow_missing, count_tied_twice=self.count_tied_twice, seed=self.seed)
+        try:
+            raise_all(pf.problems)
+        except RLMergeError:
+            pf.close()
+            raise
+        return pf
+
+
+def _sub(pf: Preflight, names: set[str]) -> Any:
+    assert pf.match is not None
+    return dataclasses.replace(pf.match, jobs=[j for j in pf.match.jobs if j.name in names])
+
+
+@ray.remote
+def _statistics_task(req: _Request, names: list[str]) -> tuple[dict[str, TensorStats], int]:
+    """The counts of tensors ``names`` (a statistics pass over them alone): kilobytes back to the driver."""
+    pf = req.open()
+    try:
+        sub = _sub(pf, set(names))
+        extras = [x for x in pf.extras if x is not None]
+        chosen = route(sub, pf.spec, pf.params, device=req.device, block_size=req.block_size, extras=extras)
+        stats, _, nbytes = statistics_only(sub, pf.spec, pf.params, chosen, block_size=req.block_size,  # type: ignore
+                                           device=req.device, seed=req.seed, extras=extras)
+        return stats.tensors, nbytes
+    finally:
+        pf.close()
+
+
+@ray.remote
+def _merge_task(req: _Request, shard_ids: list[int], expected: list[str], prepared: Any, observer: Any,
+                tensor_stats: dict[str, TensorStats], collect: bool, output: str, tmp: str, metadata: dict[str, str],
+                fsync: bool) -> tuple[list[tuple[str, int, int]], dict[str, TensorStats], int]:
+    """Write shards ``shard_ids`` into the partial folder ``tmp``: ((file, bytes, CRC-32) of each, counts, bytes
+    read)."""
+    pf = req.open()
+    try:
+        assert pf.match is not None and pf.spec is not None
+        shards = layout_shards(pf.match.jobs, req.shard_bytes)
+        if [s.filename for s in shards] != expected:
+            raise InputError("the inputs this worker opened are laid out otherwise than the driver's",
+                             file=req.base, hint="every node must see the same input files at the same paths")
+        mine = [shards[i] for i in shard_ids]
+        sub = _sub(pf, {j.name for s in mine for j in s.jobs})
+        extras = [x for x in pf.extras if x is not None]
+        stats = Statistics([a.label for a in sub.agents], pf.spec.epsilon(pf.params))
+        stats.tensors.update(tensor_stats)
+        n = len(sub.agents)
+        run = Run(sub, pf.spec, pf.params, stats, seed=req.seed, extras=extras, prepared=prepared,
+                  observer=observer if observer is not None else pf.spec.observer(pf.params, n))
+        chosen = route(sub, pf.spec, pf.params, device=req.device, block_size=req.block_size, extras=extras)
+        fast, torch_backend = make_backends(chosen, run, block_size=req.block_size, device=req.device)
+        files = ShardFiles(Path(output), Path(tmp))
+        writer = CheckpointWriter(files, sub.jobs, metadata=metadata, fsync=fsync, shards=mine,  # type: ignore
+                                  background=fast is not None)
+        try:
+            with Progress(quiet=True) as progress, writer:
+                merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=collect)
+                writer.complete()
+            _fault_point()
+        finally:
+            if fast is not None and fast.fast is not None:
+                fast.fast.close()
+        return files.records, (stats.tensors if collect else {}), run.read_bytes
+    finally:
+        pf.close()
+
+
+def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]],
+                 output: str | os.PathLike[str], *, method: str = "ram+", params: Mapping[str, Any] | None = None,
+                 dtype: str | None = None, shard_size: str | int = DEFAULT_SHARD_SIZE,
+                 block_size: int = DEFAULT_BLOCK, device: str = "cpu", force: bool = False, resume: bool = False,
+                 allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
+                 recipe: Mapping[str, Any] | None = None, fsync: bool = True, workers: int | None = None,
+                 partition: Sequence[Sequence[int]] | None = None, retries: int = 3, address: str | None = None,
+                 cache: StatsCache | None = None, quiet: bool = True) -> MergeResult:
+    """``rlmerge.merge`` with its passes run as Ray tasks (see the module docstring); the same output bytes.
+
+    ``workers``: tasks at once (default: every one), and the number of tensor groups the statistics are mapped
+    over (default: the cluster's CPUs). ``partition``: groups of shard indices, one merge task each (default: one
+    shard per task); every shard exactly once.
+    """
+    t0 = time.perf_counter()
+    pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
+                   block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
+                   count_tied_twice=count_tied_twice, seed=seed)
+    try:
+        raise_all(pf.problems)
+        assert pf.match is not None and pf.spec is not None and pf.base is not None
+        check_copies(pf.match)
+        init(address)
+        req = _Request(str(pf.base.path), tuple(str(a.path) for a in pf.agents if a is not None), method,
+                       dict(params or {}), dtype, pf.shard_bytes, pf.block_size, device, seed, allow_missing,
+                       count_tied_twice)
+        with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
+            result = _merge(pf, partial, req, recipe=recipe, fsync=fsync, workers=workers, partition=partition,
+                            retries=retries, cache=cache)
+    finally:
+        pf.close()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping[str, Any] | None, fsync: bool,
+           workers: int | None, partition: Sequence[Sequence[int]] | None, retries: int,
+           cache: StatsCache | None) -> MergeResult:
+    match, spec, p = pf.match, pf.spec, pf.params
+    assert match is not None and spec is not None
+    extras = [x for x in pf.extras if x is not None]
+    metadata, fp = output_fingerprint(match, spec, p, seed=req.seed, recipe=recipe, device=req.device,
+                                      shard_bytes=req.shard_bytes, extras=extras)
+    writer = CheckpointWriter(partial, match.jobs, shard_size=req.shard_bytes, metadata=metadata, fingerprint=fp,
+                              fsync=fsync, identity=input_identity([match.base, *match.agents, *extras]))
+    groups = _partition(partition, len(writer.shards))
+    view = cache.view(match, extras) if cache is not None else None
+    with writer:
+        kept = writer.resumed
+        chosen = route(match, spec, p, device=req.device, block_size=req.block_size, extras=extras,
+                       resumed=kept > 0, cached=view)
+        stats, observer, read = _statistics(pf, chosen, req, view, workers=workers, retries=retries)
+        needs = chosen.method_statistics
+        prepared = spec.prepare(p, stats if needs else None, len(match.agents))
+        collect = not stats.tensors
+        result = MergeResult(partial.output, spec.name, p, stats, passes=chosen.passes,
+                             warnings=[*match.warnings, *getattr(prepared, "warnings", ())])
+        if prepared is not None and hasattr(prepared, "lambdas"):
+            result.lambdas, result.rho = list(prepared.lambdas), list(prepared.rho)
+        todo = [[i for i in g if i >= kept] for g in groups]
+        todo = [g for g in todo if g]
+        refs = (ray.put(prepared), ray.put(observer))
+        expected = [s.filename for s in writer.shards]
+        done: dict[int, tuple[str, int, int]] = {}
+        counted: dict[str, TensorStats] = {}
+        nxt = [kept]
+
+        def finished(i: int, value: Any) -> None:
+            records, tensors, nbytes = value
+            for shard, rec in zip(todo[i], records):
+                done[shard] = rec
+            counted.update(tensors)
+            nonlocal read
+            read += nbytes
+            while nxt[0] in done:  # recorded in order: an interrupted merge keeps a prefix of shards
+                writer.adopt(*done[nxt[0]])
+                nxt[0] += 1
+
+        task = _merge_task.options(max_retries=retries, num_cpus=1)
+
+        def submit(i: int) -> Any:
+            names = {j.name for k in todo[i] for j in writer.shards[k].jobs}
+            return task.remote(req, todo[i], expected, refs[0], refs[1],
+                               {n: ts for n, ts in stats.tensors.items() if n in names}, collect,
+                               str(partial.output), str(partial.tmp), metadata, fsync)
+
+        _get(todo, finished, limit=workers, submit=submit)
+        if collect:
+            stats.tensors = {j.name: counted[j.name] for j in match.merge_jobs}  # job order, as a local merge
+            if view is not None:
+                view.put_counts(spec, p, stats, chosen.fast)
+        if not needs:
+            result.warnings += stats.identical_agents()
+        finish_output(writer, match, result, recipe)
+    result.read_bytes = read  # the tasks count what they read, the copied tensors too
+    result.write_bytes = match.write_bytes
+    return result
+
+
+def _statistics(pf: Preflight, chosen: Route, req: _Request, view: Any, *, workers: int | None,
+                retries: int) -> tuple[Statistics, Any, int]:
+    """(statistics, the observer its pass fed or None, bytes read): mapped over tensor groups when the method's
+    observer is not fed in the statistics pass, counted on the driver when it is; from the cache when it holds
+    them; empty when no statistics pass runs (the merge tasks count)."""
+    match, spec, p = pf.match, pf.spec, pf.params
+    assert match is not None and spec is not None
+    extras = [x for x in pf.extras if x is not None]
+    stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
+    if not chosen.statistics:
+        if view is not None:
+            stats = cached_statistics(view, match, spec, p, chosen, counted=chosen.method_statistics) or stats
+        observer = None
+        if stats.tensors and chosen.method_statistics:
+            observer = spec.observer(p, len(match.agents))
+            view.fill_observer(observer, match.merge_jobs)
+            stats.observed = observer
+        return stats, observer, 0
+    observer = spec.observer(p, len(match.agents))
+    whole = isinstance(observer, GtaObserver) and observer.preset.prune == "magnitude-global"
+    if observer is not None and (chosen.kind in ("fused", "torch") or whole):  # fed in the pass: on the driver
+        stats, observer, nbytes = statistics_only(match, spec, p, chosen, block_size=req.block_size,
+                                                  device=req.device, seed=req.seed, extras=extras, cache=view)
+        return stats, observer, nbytes
+    jobs = match.merge_jobs
+    groups = _tensor_groups(jobs, workers or max(1, int(ray.cluster_resources().get("CPU", 1))))
+    parts: dict[str, TensorStats] = {}
+    read = [0]
+
+    def finished(i: int, value: Any) -> None:
+        tensors, nbytes = value
+        parts.update(tensors)
+        read[0] += nbytes
+
+    task = _statistics_task.options(max_retries=retries, num_cpus=1)
+    _get(groups, finished, limit=workers, submit=lambda i: task.remote(req, groups[i]))
+    order = [j for j in jobs if j.name in chosen.stats_fast] + [j for j in jobs if j.name not in chosen.stats_fast]
+    stats.tensors = {j.name: parts[j.name] for j in order}  # reduced in a fixed order: a local merge's
+    if view is not None:
+        view.put_counts(spec, p, stats, chosen.stats_fast)
+    return stats, None, read[0]
+
+
+def _tensor_groups(jobs: Sequence[Any], n: int) -> list[list[str]]:
+    """``jobs`` cut into at most ``n`` runs of consecutive tensors of about equal bytes."""
+    total = sum(j.info.nbytes for j in jobs) or 1
+    groups: list[list[str]] = [[]]
+    acc = 0
+    for j in jobs:
+        if groups[-1] and acc >= total * len(groups) / n:
+            groups.append([])
+        groups[-1].append(j.name)
+        acc += j.info.nbytes
+    return [g for g in groups if g]
+
+
+def _partition(partition: Sequence[Sequence[int]] | None, n: int) -> list[list[int]]:
+    if partition is None:
+        return [[i] for i in range(n)]
+    groups = [sorted(int(i) for i in g) for g in partition]
+    flat = sorted(i for g in groups for i in g)
+    if flat != list(range(n)) or any(not g for g in groups):
+        raise ConfigError(f"partition {list(map(list, partition))} must hold every shard 0 … {n - 1} exactly once, "
+                          "in non-empty groups")
+    return groups

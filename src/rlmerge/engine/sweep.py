@@ -1,0 +1,239 @@
+"""``rlmerge.sweep``: merge many candidates of the same inputs, score each, rank them, keep the best.
+
+Every candidate is an ordinary merge (``merge.execute``: the same route, backends and passes), sharing one
+statistics cache (cache.py): RAM+'s counts are gathered once for every preset, r, α and R; a TIES / Breadcrumbs
+selection reuses the round-0 histograms and, for the same densities, the thresholds. A candidate whose model fits
+in memory is built into a state dict (``io.memory.MemoryWriter``) and scored there; a larger one is merged into
+``candidate-<id>/`` in the sweep folder, scored, and removed. Only the best ``keep`` are written as checkpoints
+(through the normal writer, with provenance). ``backend="ray"`` scores candidates in parallel (distributed.py).
+
+A scorer is any callable ``scorer(built) -> {task: score}`` (higher is better); ``rlmerge.scorers`` makes one
+for the lab's verifiable tasks and lm-eval tasks.
+
+>>> res = rlmerge.sweep("base/", ["a1/", "a2/"], "sweep/", candidates=["ram+ r=0.05,0.1 alpha=1,2"],
+...                     scorer=my_scorer, keep=1)                                 # doctest: +SKIP
+>>> [(s.candidate.label, s.average) for s in res.ranking]                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .._version import __version__
+from ..errors import ConfigError, OutputError, RLMergeError, raise_all
+from ..io.sweepdir import SweepDir
+from ..report.sweep import pareto, render_report
+from .blocks import DEFAULT_BLOCK, device_type
+from .build import Built, Context, Memory, Scored, Scorer, build_and_score
+from .cache import StatsCache, inputs_key
+from .candidates import Candidate, check, parse_all
+from .merge import check_copies, merge
+from .preflight import Preflight, flat, preflight
+
+__all__ = ["Built", "Scored", "Scorer", "SweepResult", "sweep"]
+Backend = Literal["local", "ray"]
+RESULTS = "results.json"
+SCHEMA = "rlmerge.sweep"
+
+
+@dataclass
+class SweepResult:
+    scored: list[Scored]  # in candidate order
+    ranking: list[Scored]  # best average first (candidates without scores last, in order)
+    pareto: list[Scored]  # not beaten on every task by another candidate
+    kept: list[Path] = field(default_factory=list)
+    output: Path | None = None
+    seconds: float = 0.0
+    cache_hits: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def statistics_passes(self) -> int:
+        return sum(s.passes.count("statistics") for s in self.scored)
+
+    @property
+    def merge_passes(self) -> int:
+        return sum(s.passes.count("merge") for s in self.scored)
+
+
+def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]],
+          output: str | os.PathLike[str] | None = None, *, candidates: Sequence[Candidate | str | Mapping[str, Any]],
+          scorer: Scorer | None = None, keep: int = 0, resume: bool = False, force: bool = False,
+          backend: Backend = "local", workers: int | None = None, memory: Memory = "auto", dtype: str | None = None,
+          block_size: int = DEFAULT_BLOCK, device: str = "cpu", seed: int = 0, allow_missing: bool = False,
+          count_tied_twice: bool = False, settings: Mapping[str, Any] | None = None, cache: StatsCache | None = None,
+          on_result: Callable[[Scored], None] | None = None, quiet: bool = True) -> SweepResult:
+    """Merge and score every candidate; see the module docstring.
+
+    ``output`` None: nothing is written (the Python API's grid search; a candidate too large for memory goes to a
+    temporary folder). ``settings``: what else decides the scores (the tasks, their sizes), recorded in
+    ``results.json`` and checked by ``resume``. ``on_result`` is called with each candidate as it is scored.
+    """
+    t0 = time.perf_counter()
+    grids = [c for c in candidates if not isinstance(c, Candidate)]  # a recipe's candidates come parsed
+    cands = check([*(c for c in candidates if isinstance(c, Candidate)),
+                   *(parse_all(grids, seed=seed) if grids else [])])
+    problems: list[RLMergeError] = []
+    if keep < 0 or (keep and output is None):
+        problems.append(ConfigError(f"keep = {keep}: the best candidates are kept only in a sweep folder (-o)"
+                                    if keep else f"keep = {keep} must be ≥ 0"))
+    if memory not in ("auto", "always", "never") or backend not in ("local", "ray"):
+        problems.append(ConfigError(f"memory = {memory!r}, backend = {backend!r}",
+                                    hint="memory: auto, always or never; backend: local or ray"))
+    options = {"dtype": dtype, "block_size": block_size, "device": device, "allow_missing": allow_missing,
+               "count_tied_twice": count_tied_twice}
+    pf = _check(base, agents, cands, options, problems)
+    try:
+        assert pf.match is not None and pf.base is not None  # no problems
+        check_copies(pf.match)  # once for every candidate: they all copy the same tensors
+        doc = _new_doc(pf, cands, settings, options)
+        with contextlib.ExitStack() as stack:
+            folder = stack.enter_context(SweepDir(output, inputs=pf.models, resume=resume, force=force)) \
+                if output is not None else None
+            cache = cache if cache is not None else StatsCache(folder)
+            done = _resumed(folder, doc, cands) if resume and folder is not None else {}
+            ctx = Context(str(base), [str(a) for a in agents], options, memory, pf.base.side_dir,
+                          folder.path if folder is not None else None)
+            scored = {i: s for i, s in done.items()}
+            todo = [c for c in cands if c.id not in scored]
+
+            def record(s: Scored) -> None:
+                scored[s.candidate.id] = s
+                doc["candidates"] = [scored[c.id].to_json() for c in cands if c.id in scored]
+                if folder is not None:
+                    folder.write(RESULTS, _dump(doc))
+                    cache.save()
+                if on_result is not None:
+                    on_result(s)
+
+            if backend == "ray":
+                from .distributed import score_on_ray  # Ray is imported only here (the ``ray`` extra)
+
+                score_on_ray(ctx, todo, scorer, cache, record, workers=workers)
+            else:
+                for c in todo:
+                    record(build_and_score(ctx, c, scorer, cache))
+            ordered = [scored[c.id] for c in cands]
+            doc["candidates"] = [s.to_json() for s in ordered]  # also when --resume found all done
+            result = _summary(ordered, doc, output=folder.path if folder is not None else None)
+            if folder is not None:
+                result.kept = _keep(folder, ctx, result, doc, cache, keep, quiet=quiet)
+                folder.write(RESULTS, _dump(doc))
+                for name, data in render_report(doc).items():
+                    folder.write(name, data)
+                cache.save()
+    finally:
+        pf.close()
+    result.seconds = time.perf_counter() - t0
+    result.cache_hits = dict(cache.hits)
+    return result
+
+
+def _check(base: Any, agents: Sequence[Any], cands: list[Candidate], options: dict[str, Any],
+           problems: list[RLMergeError]) -> Preflight:
+    """Every candidate's preflight (headers only), every problem at once; the first one's, open, for the sweep."""
+    first: Preflight | None = None
+    seen: set[str] = set()
+    for c in cands:
+        pf = preflight(base, agents, None, method=c.method, params=dict(c.params), seed=c.seed, **options)
+        for p in pf.problems:
+            for q in flat(p):
+                text = q.render()
+                if text not in seen:  # an input's problem is every candidate's: said once
+                    seen.add(text)
+                    problems.append(q)
+        if first is None:
+            first = pf
+        else:
+            pf.close()
+    if problems and first is not None:
+        first.close()
+    raise_all(problems)
+    assert first is not None  # candidates are never empty (parse_all)
+    return first
+
+
+# -- results.json -------------------------------------------------------------------------------------------
+def _new_doc(pf: Preflight, cands: list[Candidate], settings: Mapping[str, Any] | None,
+             options: dict[str, Any]) -> dict[str, Any]:
+    assert pf.match is not None and pf.base is not None
+    fixed = {"inputs": inputs_key(pf.match), "settings": dict(settings or {}),
+             "dtype": str(pf.out_dtype) if pf.out_dtype else None, "device": device_type(options["device"])}
+    return {"schema": SCHEMA, "version": 1, "rlmerge_version": __version__,
+            "fingerprint": json.dumps(fixed, sort_keys=True, default=str),
+            "base": pf.base.label, "agents": [a.label for a in pf.match.agents],
+            "settings": dict(settings or {}), "planned": [c.to_json() for c in cands], "candidates": []}
+
+
+def _dump(doc: dict[str, Any]) -> bytes:
+    return (json.dumps(doc, indent=2, default=str) + "\n").encode()
+
+
+def _resumed(folder: SweepDir, doc: dict[str, Any], cands: list[Candidate]) -> dict[str, Scored]:
+    """The candidates an earlier run of this sweep finished (its results.json), after checking it is this sweep."""
+    raw = folder.read(RESULTS)
+    if raw is None:
+        return {}
+    try:
+        old = json.loads(raw)
+    except ValueError:
+        return {}
+    if old.get("schema") != SCHEMA or old.get("fingerprint") != doc["fingerprint"]:
+        raise OutputError("the sweep in this folder was run on other inputs or with other scoring settings",
+                          file=str(folder.path / RESULTS),
+                          hint="resume with the same models, tasks and options, or pass --force to start over")
+    planned = {c.id: c for c in cands}
+    out = {}
+    for rec in old.get("candidates", []):
+        c = planned.get(rec.get("id"))
+        if c is not None:
+            out[c.id] = Scored(c, dict(rec["scores"]), rec["where"], rec["merge_seconds"], rec["score_seconds"],
+                               list(rec["passes"]), rec["read_bytes"], rec.get("lambdas"))
+    return out
+
+
+def _summary(ordered: list[Scored], doc: dict[str, Any], *, output: Path | None) -> SweepResult:
+    scored = [s for s in ordered if s.scores]
+    ranking = sorted(scored, key=lambda s: -(s.average or 0.0)) + [s for s in ordered if not s.scores]
+    front = pareto([s.scores for s in scored])
+    doc["tasks"] = list(dict.fromkeys(k for s in ordered for k in s.scores))
+    doc["ranking"] = [s.candidate.id for s in ranking]
+    doc["pareto"] = [scored[i].candidate.id for i in front]
+    return SweepResult(ordered, ranking, [scored[i] for i in front], output=output)
+
+
+def _keep(folder: SweepDir, ctx: Context, result: SweepResult, doc: dict[str, Any], cache: StatsCache, keep: int,
+          *, quiet: bool) -> list[Path]:
+    """Write the best ``keep`` candidates as checkpoints ``best-1`` … (with provenance); remove stale ones."""
+    kept, names = [], {}
+    for rank, s in enumerate(result.ranking[:keep], 1):
+        name = f"best-{rank}"
+        out = folder.checkpoint(name)
+        recipe = {"sweep": {"rank": rank, "candidate": s.candidate.to_json(), "scores": s.scores,
+                            "average": s.average, "results": str(folder.path / RESULTS)}}
+        if not _holds(out, s.candidate.id):
+            merge(ctx.base, ctx.agents, out, method=s.candidate.method, params=dict(s.candidate.params),
+                  seed=s.candidate.seed, force=True, recipe=recipe, cache=cache, quiet=quiet, **ctx.options)
+        kept.append(out)
+        names[name] = s.candidate.id
+    for stale in sorted(folder.path.glob("best-*")):
+        if stale.name not in names and stale.is_dir():
+            folder.remove_checkpoint(stale.name)
+    doc["kept"] = names
+    return kept
+
+
+def _holds(out: Path, cid: str) -> bool:
+    """Whether ``out`` is a finished checkpoint of candidate ``cid`` that a sweep kept."""
+    try:
+        doc = json.loads((out / "rlmerge.json").read_text())
+    except (OSError, ValueError):
+        return False
+    sweep = (doc.get("recipe") or {}).get("sweep") or {}
+    return sweep.get("candidate", {}).get("id") == cid and SweepDir.proven(out)

@@ -1,0 +1,266 @@
+"""A sweep's folder: owned by rlmerge, written one file at a time, and proven rlmerge's before anything is replaced.
+
+``rlmerge sweep -o FOLDER`` keeps its results there while it runs (``results.json``, ``report.md``, plots), the
+statistics cache (``cache/*.npz``) and the kept checkpoints (``best-1/`` …, each a normal merge output with its
+own ``rlmerge.json``; a candidate too large for memory is merged into ``candidate-<id>/`` to be scored, then
+removed). The rules of ``partial.py`` hold here too:
+
+- the folder never is, contains or lies inside an input, and is never reached through a link;
+- ``rlmerge-sweep.json`` lists every file written here with its size and CRC-32; a file is written beside its
+  name and renamed onto it, so a crash leaves the old file or the new one, never half of one;
+- an existing folder is continued (``resume``) or started over (``force``) only when everything in it is
+  rlmerge's: listed files unchanged, checkpoint folders that ``partial.not_ours`` proves rlmerge's; nothing else
+  is ever deleted or replaced;
+- while a sweep runs it holds an exclusive ``flock`` on ``.lock``: a second sweep into the same folder is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import stat
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import OutputError, RLMergeError, raise_all
+from .checkpoint import Checkpoint
+from .partial import _overlap, _remove_ours, _roots, create_file, disk_error, file_crc32, not_ours, target
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock
+    fcntl = None  # type: ignore[assignment]
+
+MANIFEST = "rlmerge-sweep.json"
+SCHEMA = "rlmerge.sweep-folder"
+LOCK = ".lock"
+CACHE = "cache"
+# checkpoint folders a sweep writes (each proven rlmerge's by its own rlmerge.json), and their partial folders
+_FOLDER = re.compile(r"(best-\d+|candidate-[0-9a-f]{12})")
+_PARTIAL = re.compile(r"\.(best-\d+|candidate-[0-9a-f]{12})\.rlmerge-partial")
+_TMP = re.compile(r"\..+\.rlmerge-tmp")
+
+
+class SweepDir:
+    """Claim a sweep folder (see the module docstring); ``write`` files into it, ``checkpoint`` names a folder for
+    a merge to write."""
+
+    def __init__(self, output: str | os.PathLike[str], *, inputs: Sequence[Checkpoint | Path] = (),
+                 resume: bool = False, force: bool = False) -> None:
+        self.path = target(output)
+        self.inputs, self.resume, self.force = list(inputs), resume, force
+        self.files: dict[str, dict[str, int]] = {}  # name (cache/x.npz for the cache) → {"bytes", "crc32"}
+        self._lock_fd: int | None = None
+
+    # -- claiming -------------------------------------------------------------------------------------------
+    def problems(self) -> list[RLMergeError]:
+        """Every reason not to use the folder, before any work."""
+        out = self.path
+        if not out.name:
+            return [OutputError("the sweep's output must name a folder", file=str(out))]
+        found = _overlap(out, _roots(self.inputs), "the sweep folder")
+        if found or not os.path.lexists(out):
+            return found
+        if out.is_symlink() or not out.is_dir():
+            return [OutputError("the sweep's output exists and is not a folder (or is a link)", file=str(out),
+                                hint="choose another -o; rlmerge never writes through a link it did not create")]
+        with os.scandir(out) as it:
+            names = sorted(e.name for e in it)
+        if not names:
+            return []
+        why = self._foreign(names)
+        if why is not None:
+            return [OutputError(f"the sweep folder {why}", file=str(out),
+                                hint="choose another -o, or move it away: rlmerge never replaces what it did "
+                                     "not write")]
+        if not (self.resume or self.force):
+            return [OutputError("the sweep folder already holds a sweep", file=str(out),
+                                hint="pass --resume to continue it, or --force to start over")]
+        return []
+
+    def _foreign(self, names: list[str]) -> str | None:
+        """Why the folder's entries cannot all be proven rlmerge's (None when they can)."""
+        doc = _read_json(self.path / MANIFEST)
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("files"), dict):
+            return f"holds {', '.join(names[:5])} and no {MANIFEST}, so rlmerge did not write it"
+        listed: dict[str, Any] = doc["files"]
+        foreign, changed = [], []
+        for name in names:
+            p = self.path / name
+            if name in (MANIFEST, LOCK) or _TMP.fullmatch(name):
+                continue
+            if name == CACHE and p.is_dir() and not p.is_symlink():
+                with os.scandir(p) as it:
+                    inner = [f"{CACHE}/{e.name}" for e in it]
+                foreign += [n for n in inner if n not in listed and not _TMP.fullmatch(n.split("/")[1])]
+                changed += [n for n in inner if n in listed and not _same(self.path / n, listed[n])]
+            elif (_FOLDER.fullmatch(name) or _PARTIAL.fullmatch(name)) and p.is_dir() and not p.is_symlink():
+                continue  # a checkpoint: proven (partial.not_ours) before it is replaced or removed
+            elif name in listed and not p.is_symlink() and p.is_file():
+                if not _same(p, listed[name]):
+                    changed.append(name)
+            else:
+                foreign.append(name)
+        if foreign:
+            return f"holds {', '.join(foreign[:5])}, which rlmerge did not write"
+        if changed:
+            return f"holds {', '.join(changed[:5])}, changed since rlmerge wrote it"
+        self.files = {k: v for k, v in listed.items() if isinstance(v, dict)}
+        return None
+
+    def __enter__(self) -> SweepDir:
+        raise_all(self.problems())
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock()
+            if self.force:
+                self._start_over()
+            (self.path / CACHE).mkdir(exist_ok=True)
+        except OSError as e:
+            self._unlock()
+            raise disk_error(e, self.path) from e
+        except BaseException:
+            self._unlock()
+            raise
+        self._save_manifest()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._unlock()
+
+    def _lock(self) -> None:
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        self._lock_fd = fd
+        if fcntl is None:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._unlock()
+            raise OutputError("another rlmerge sweep is writing this folder right now", file=str(self.path),
+                              hint="wait for it to finish, or choose another -o") from None
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _start_over(self) -> None:
+        """--force: remove what an earlier sweep wrote here, after proving every checkpoint folder rlmerge's."""
+        folders = [p for p in self.path.iterdir() if _FOLDER.fullmatch(p.name)]
+        for p in folders:
+            why = not_ours(p)
+            if why is not None:
+                raise OutputError(f"--force replaces only what rlmerge wrote, and {p.name} {why}", file=str(p),
+                                  hint="move it away, then rerun")
+        for p in folders:
+            doc = _read_json(p / "rlmerge.json") or {}
+            _remove_ours(p, [*doc.get("files", {}), "rlmerge.json"])
+        _remove_ours(self.path / CACHE, [n.split("/", 1)[1] for n in self.files if n.startswith(CACHE + "/")])
+        for name in [n for n in self.files if "/" not in n]:
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / name).unlink()
+        self.files = {}
+
+    # -- files ----------------------------------------------------------------------------------------------
+    def write(self, name: str, data: bytes) -> Path:
+        """Write ``name`` (a plain name, or ``cache/NAME``) whole: beside it first, then renamed onto it."""
+        dest = _replace(self.path / name, data)
+        self.files[name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+        self._save_manifest()
+        return dest
+
+    def read(self, name: str) -> bytes | None:
+        """A file this folder's manifest lists, unchanged since rlmerge wrote it; else None."""
+        rec = self.files.get(name)
+        p = self.path / name
+        if rec is None or p.is_symlink() or not p.is_file() or not _same(p, rec):
+            return None
+        return p.read_bytes()
+
+    def _save_manifest(self) -> None:
+        doc = {"schema": SCHEMA, "version": 1, "files": dict(sorted(self.files.items()))}
+        _replace(self.path / MANIFEST, (json.dumps(doc, indent=1) + "\n").encode())
+
+    def checkpoint(self, name: str) -> Path:
+        """Where a merge writes checkpoint ``name`` (``best-1``, ``candidate-<id>``): a folder it proves its own."""
+        if not _FOLDER.fullmatch(name):
+            raise ValueError(f"not a sweep checkpoint name: {name!r}")
+        return self.path / name
+
+    def remove_checkpoint(self, name: str) -> None:
+        """Delete checkpoint ``name`` (its listed files only), once proven rlmerge's; anything else stays."""
+        self.remove_written(self.checkpoint(name))
+
+    @staticmethod
+    def proven(folder: Path) -> bool:
+        """Whether ``folder`` is a checkpoint folder rlmerge wrote (its rlmerge.json lists everything in it)."""
+        return folder.is_dir() and not folder.is_symlink() and not_ours(folder) is None
+
+    @staticmethod
+    def remove_written(folder: Path) -> None:
+        """Delete a checkpoint folder rlmerge wrote (its listed files, then the folder if that empties it)."""
+        if not folder.is_dir() or folder.is_symlink():
+            return
+        why = not_ours(folder)
+        if why is not None:
+            raise OutputError(f"{folder.name} {why}: it is left as it is", file=str(folder))
+        doc = _read_json(folder / "rlmerge.json") or {}
+        _remove_ours(folder, [*doc.get("files", {}), "rlmerge.json"])
+
+    # -- the statistics cache's store (engine/cache.Store) -----------------------------------------------------
+    def read_arrays(self, name: str) -> dict[str, np.ndarray] | None:
+        data = self.read(f"{CACHE}/{name}.npz")
+        if data is None:
+            return None
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}
+        except (OSError, ValueError):
+            return None
+
+    def write_arrays(self, name: str, arrays: dict[str, np.ndarray]) -> None:
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        self.write(f"{CACHE}/{name}.npz", buf.getvalue())
+
+    def names(self, prefix: str) -> list[str]:
+        return sorted(n[len(CACHE) + 1:-4] for n in self.files
+                      if n.startswith(f"{CACHE}/{prefix}") and n.endswith(".npz"))
+
+
+def _replace(dest: Path, data: bytes) -> Path:
+    """Write ``dest`` whole: a new file beside it (never through a link), renamed onto it."""
+    tmp = f".{dest.name}.rlmerge-tmp"
+    try:
+        with create_file(dest.parent, tmp) as fh:
+            fh.write(data)
+        os.replace(dest.parent / tmp, dest)
+    except OSError as e:
+        raise disk_error(e, dest) from e
+    return dest
+
+
+def _same(p: Path, rec: Any) -> bool:
+    try:
+        st = p.lstat()
+    except OSError:
+        return False
+    return (isinstance(rec, dict) and stat.S_ISREG(st.st_mode) and st.st_size == rec.get("bytes")
+            and file_crc32(p) == rec.get("crc32"))
+
+
+def _read_json(p: Path) -> Any:
+    try:
+        if p.is_symlink() or not p.is_file():
+            return None
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None

@@ -1,0 +1,116 @@
+"""The Ray backend (engine/distributed.py) on a real Ray cluster started in-process on this machine.
+
+Oracles: `rlmerge.merge` run locally. A merge split by output shard over Ray tasks writes every file of the local
+merge byte for byte, for any number of workers and any partition of the shards; a worker killed after writing its
+shards (before reporting them) is retried and the bytes are still the local merge's; with no retries left the
+merge fails cleanly and `resume=True` finishes it, again byte for byte. A sweep on Ray scores what it scores
+locally, also when a candidate task's worker is killed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import rlmerge  # noqa: E402 - after the importorskip
+from rlmerge.engine.distributed import FAULT_ENV, merge_on_ray  # noqa: E402
+from rlmerge.errors import OutputError  # noqa: E402
+
+SHARD = 20_000  # bytes: the tiny example's output in 3 shards
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local Ray cluster (2 CPUs) whose workers import this checkout; yields the fault-injection file's path."""
+    trigger = tmp_path_factory.mktemp("fault") / "kill-next-worker"
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]), FAULT_ENV: str(trigger),
+           "HF_HUB_OFFLINE": "1"}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    yield trigger
+    ray.shutdown()
+
+
+def same_folder(a: Path, b: Path, *, but: tuple[str, ...] = ()) -> None:
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for n in names:
+        if n not in but:
+            assert (a / n).read_bytes() == (b / n).read_bytes(), n
+
+
+@pytest.mark.parametrize(("method", "params"), [("ram+", {"r": 0.1}), ("ties", {"density": 0.3}),
+                                                ("ties_global", {"density": 0.2}), ("dare_ties", {"density": 0.5})],
+                         ids=["ram+", "ties", "ties_global", "dare_ties"])
+def test_a_merge_split_over_ray_tasks_writes_the_local_bytes(cluster, example, tmp_path: Path, method: str,
+                                                            params: dict) -> None:
+    base, agents = example
+    local = rlmerge.merge(base, agents, tmp_path / "local", method=method, params=params, shard_size=SHARD, seed=3)
+    assert len(list(local.output.glob("model-*.safetensors"))) == 3
+    for i, (workers, partition) in enumerate([(1, None), (2, [[0, 2], [1]]), (3, [[2], [1, 0]])]):
+        res = merge_on_ray(base, agents, tmp_path / f"ray{i}", method=method, params=params, shard_size=SHARD,
+                           seed=3, workers=workers, partition=partition)
+        same_folder(local.output, res.output)
+        assert res.passes == local.passes
+
+
+def test_a_killed_worker_is_retried_and_a_merge_out_of_retries_resumes(cluster, example, tmp_path: Path) -> None:
+    base, agents = example
+    local = rlmerge.merge(base, agents, tmp_path / "local", method="ram+", shard_size=SHARD)
+    cluster.write_text("")  # the next merge task's worker dies after writing its shards
+    res = merge_on_ray(base, agents, tmp_path / "retried", method="ram+", shard_size=SHARD, workers=1)
+    assert not cluster.exists()  # it did die
+    same_folder(local.output, res.output)
+    cluster.write_text("")
+    with pytest.raises(OutputError, match="--resume"):
+        merge_on_ray(base, agents, tmp_path / "resumed", method="ram+", shard_size=SHARD, workers=1, retries=0)
+    assert not (tmp_path / "resumed").exists()  # nothing published
+    res = merge_on_ray(base, agents, tmp_path / "resumed", method="ram+", shard_size=SHARD, workers=1, resume=True)
+    same_folder(local.output, res.output)
+
+
+class Norms:
+    """One 'task': the negative distance of the merge to the first agent (a scorer Ray pickles to its workers)."""
+
+    def __init__(self, agent: Path) -> None:
+        from conftest import load_output
+
+        self.target = load_output(agent)
+
+    def __call__(self, built: rlmerge.Built) -> dict[str, float]:
+        from conftest import load_output
+
+        t = built.tensors if built.tensors is not None else load_output(built.path)
+        return {"near": -sum(float((t[k].float() - v.float()).square().sum()) for k, v in self.target.items()
+                             if v.is_floating_point() and k in t)}
+
+
+def test_a_sweep_on_ray_scores_what_it_scores_locally(cluster, example, tmp_path: Path) -> None:
+    base, agents = example
+    grid = ["ram+ r=0.05,0.2", "ties density=0.3", "dare_ties density=0.5 seed=0,1"]
+    local = rlmerge.sweep(base, agents, tmp_path / "local", candidates=grid, scorer=Norms(agents[0]), keep=1)
+    on_ray = rlmerge.sweep(base, agents, tmp_path / "ray", candidates=grid, scorer=Norms(agents[0]), keep=1,
+                           backend="ray", workers=2)
+    assert [s.scores for s in on_ray.scored] == [s.scores for s in local.scored]
+    assert on_ray.statistics_passes <= 1  # RAM+'s counts: counted once on the driver, shipped to the tasks
+    assert [s.candidate.id for s in on_ray.ranking] == [s.candidate.id for s in local.ranking]
+    cluster.write_text("")  # a candidate task's worker dies after scoring, before reporting: the task is retried
+    retried = rlmerge.sweep(base, agents, candidates=grid, scorer=Norms(agents[0]), backend="ray", workers=2)
+    assert not cluster.exists()
+    assert [s.scores for s in retried.scored] == [s.scores for s in local.scored]
+    same_folder(local.kept[0], on_ray.kept[0], but=("rlmerge.json", "README.md"))  # provenance names its folder
+
+
+def test_cli_merge_backend_ray_writes_the_local_bytes(cluster, example, tmp_path: Path) -> None:
+    from rlmerge.cli import main
+
+    base, agents = example
+    args = [str(base), *map(str, agents), "--method", "ties", "--param", "density=0.3", "--shard-size", str(SHARD),
+            "-q"]
+    assert main(["merge", *args, "-o", str(tmp_path / "local")]) == 0
+    assert main(["merge", *args, "-o", str(tmp_path / "ray"), "--backend", "ray", "--workers", "2"]) == 0
+    same_folder(tmp_path / "local", tmp_path / "ray")

@@ -1,0 +1,207 @@
+"""`rlmerge sweep` end to end: candidates, scores, ranking, Pareto set, kept checkpoints, --resume, the CLI.
+
+Oracles: a kept checkpoint against `rlmerge.merge` run alone with the candidate's settings (every tensor byte,
+the report, the config); a candidate built in memory against the same candidate built on disk (the scorer sees
+the same tensors); the ranking and Pareto set against a brute force over the scores; the lab scorer's numbers
+against the lab's own `score_examples` on the kept checkpoint loaded from disk; --resume against a sweep that
+was never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlmerge
+from conftest import assert_same_tensors, load_output
+from rlmerge.engine.candidates import parse_all, parse_grid
+from rlmerge.errors import ConfigError, OutputError, RLMergeError
+from rlmerge.report.sweep import pareto
+
+GRIDS = ["ram+ r=0.05,0.2 alpha=1,2", "ties density=0.2,0.5", "task_arithmetic scaling=0.5,1.0"]
+
+
+def tensors_of(built: rlmerge.Built) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in built.tensors.items()} if built.tensors is not None else load_output(built.path)
+
+
+class Distance:
+    """Two 'tasks': closeness (negative L2 over every float tensor) of the merge to agent 1 and to agent 2."""
+
+    def __init__(self, agents: list[Path]) -> None:
+        self.targets = [load_output(a) for a in agents[:2]]
+        self.seen: dict[str, dict[str, torch.Tensor]] = {}
+        self.calls = 0
+
+    def score(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {f"near{i}": -sum(float((tensors[k].float() - t[k].float()).square().sum()) for k in t
+                                 if k in tensors and t[k].is_floating_point()) ** 0.5
+                for i, t in enumerate(self.targets, 1)}
+
+    def __call__(self, built: rlmerge.Built) -> dict[str, float]:
+        self.calls += 1
+        tensors = tensors_of(built)
+        self.seen[built.candidate.id] = tensors
+        return self.score(tensors)
+
+
+def test_grid_grammar() -> None:
+    labels = [c.label for c in parse_grid("ram+ r=0.05,0.1 alpha=1,2")]
+    assert labels == ["ram+ r=0.05 alpha=1", "ram+ r=0.05 alpha=2", "ram+ r=0.1 alpha=1", "ram+ r=0.1 alpha=2"]
+    assert [c.params for c in parse_grid("linear weights=[1,0.5],[2,1]")] == [
+        (("weights", ["1", "0.5"]),), (("weights", ["2", "1"]),)]
+    assert len(parse_grid("dare_ties density=0.5 seed=0,1,2")) == 3  # a random method's seed is a grid axis
+    # r=0.1 and r=0.10 are one candidate, and so are a default spelled out and left out
+    assert len(parse_all(["ram+ r=0.1,0.10", "ties density=0.2 scaling=1.0", "ties density=0.2"])) == 2
+    with pytest.raises(ConfigError, match="seed changes nothing"):
+        parse_grid("task_arithmetic scaling=1 seed=0,1")
+    with pytest.raises(ConfigError, match="KEY=V1"):
+        parse_grid("ties density")
+    with pytest.raises(RLMergeError) as e:  # every bad candidate at once
+        parse_all(["ram+ r=abc", "ties density=7"])
+    assert "r=abc" in str(e.value.render()) and "density=7" in str(e.value.render())
+
+
+def test_sweep_ranks_scores_keeps_and_its_kept_checkpoints_are_plain_merges(example, tmp_path: Path) -> None:
+    base, agents = example
+    scorer = Distance(agents)
+    res = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=GRIDS, scorer=scorer, keep=2, memory="always")
+    assert len(res.scored) == 8 and scorer.calls == 8 and {s.where for s in res.scored} == {"memory"}
+    # the ranking and Pareto set against a brute force over the recorded scores
+    avg = {s.candidate.id: sum(s.scores.values()) / 2 for s in res.scored}
+    assert [s.candidate.id for s in res.ranking] == sorted(avg, key=lambda c: -avg[c])
+    front = {s.candidate.id for s in res.scored
+             if not any(all(o.scores[t] >= s.scores[t] for t in s.scores)
+                        and any(o.scores[t] > s.scores[t] for t in s.scores) for o in res.scored)}
+    assert {s.candidate.id for s in res.pareto} == front
+    assert pareto([{"a": 1, "b": 1}, {"a": 1, "b": 1}, {"a": 0, "b": 2}, {"a": 0, "b": 1}]) == [0, 1, 2]
+    # each kept checkpoint: the bytes `rlmerge merge` writes for the candidate alone; its provenance names the sweep
+    for rank, (path, s) in enumerate(zip(res.kept, res.ranking), 1):
+        c = s.candidate
+        alone = rlmerge.merge(base, agents, tmp_path / f"alone{rank}", method=c.method, params=dict(c.params),
+                              seed=c.seed)
+        names = sorted(p.name for p in path.iterdir())
+        assert names == sorted(p.name for p in alone.output.iterdir())
+        for n in names:
+            if n not in ("rlmerge.json", "README.md"):  # provenance: the sweep's recipe is recorded
+                assert (path / n).read_bytes() == (alone.output / n).read_bytes(), n
+        prov = json.loads((path / "rlmerge.json").read_text())
+        assert prov["recipe"]["sweep"]["candidate"]["id"] == c.id and prov["recipe"]["sweep"]["rank"] == rank
+        # the tensors the scorer saw in memory are the checkpoint's
+        assert_same_tensors(load_output(path), scorer.seen[c.id])
+    doc = json.loads((tmp_path / "sweep" / "results.json").read_text())
+    assert [c["id"] for c in doc["candidates"]] == [s.candidate.id for s in res.scored]
+    assert doc["kept"] == {"best-1": res.ranking[0].candidate.id, "best-2": res.ranking[1].candidate.id}
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    for s in res.scored:
+        assert f"`{s.candidate.label}`" in report
+    assert "Pareto" in report and "average" in report
+    assert (tmp_path / "sweep" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_candidate_built_on_disk_scores_what_it_scores_in_memory(example, tmp_path: Path) -> None:
+    base, agents = example
+    grid = ["ties density=0.3", "dare_ties density=0.5 seed=0,1"]
+    mem = rlmerge.sweep(base, agents, candidates=grid, scorer=Distance(agents), memory="always")
+    disk_scorer = Distance(agents)
+    disk = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=grid, scorer=disk_scorer, memory="never")
+    assert {s.where for s in disk.scored} == {"disk"}
+    assert [s.scores for s in mem.scored] == [s.scores for s in disk.scored]
+    assert mem.scored[1].scores != mem.scored[2].scores  # the seed is part of the candidate
+    # a scored candidate's folder is removed once scored: the sweep folder holds results, report, cache only
+    assert not list((tmp_path / "sweep").glob("candidate-*"))
+
+
+class Stop(Exception):
+    pass
+
+
+def test_resume_scores_only_what_a_stopped_sweep_did_not_finish(example, tmp_path: Path) -> None:
+    base, agents = example
+    full = rlmerge.sweep(base, agents, candidates=GRIDS, scorer=Distance(agents), memory="always")
+
+    class Stopping(Distance):
+        def __call__(self, built: rlmerge.Built) -> dict[str, float]:
+            if self.calls == 3:
+                raise Stop
+            return super().__call__(built)
+
+    with pytest.raises(Stop):
+        rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=GRIDS, scorer=Stopping(agents), memory="always")
+    with pytest.raises(OutputError, match="--resume"):  # a stopped sweep's folder is not overwritten silently
+        rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=GRIDS, scorer=Distance(agents))
+    rest = Distance(agents)
+    res = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=GRIDS, scorer=rest, memory="always",
+                        resume=True)
+    assert rest.calls == 8 - 3
+    assert [s.scores for s in res.scored] == [s.scores for s in full.scored]
+    with pytest.raises(OutputError, match="other inputs or with other scoring settings"):
+        rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=GRIDS, scorer=rest, resume=True,
+                      settings={"tasks": ["other"]})
+
+
+@pytest.fixture(scope="module")
+def lab_agents(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    """A tiny lab model and two 'fine-tunes' of it (the base plus small perturbations)."""
+    from rlmerge.lab.model import ModelShape, build_model, save_bf16
+    from rlmerge.lab.tokenizer import build_tokenizer
+
+    root = tmp_path_factory.mktemp("lab")
+    tok = build_tokenizer()
+    model = build_model(tok, ModelShape(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64), 3)
+    save_bf16(model, tok, root / "base")
+    base_state = {k: v.clone() for k, v in model.state_dict().items()}
+    agents = []
+    for i in (1, 2):
+        g = torch.Generator().manual_seed(i)
+        model.load_state_dict({k: v + 0.02 * torch.randn(v.shape, generator=g) * (torch.rand(v.shape, generator=g)
+                                                                               < 0.3) for k, v in base_state.items()})
+        save_bf16(model, tok, root / f"agent{i}")
+        agents.append(root / f"agent{i}")
+    return root / "base", agents
+
+
+def test_cli_sweep_on_lab_agents_scores_with_the_labs_own_scorer(lab_agents, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from rlmerge.cli import main
+    from rlmerge.lab.evaluate import load_checkpoint, score_examples
+    from rlmerge.lab.tasks import make_family, make_split
+
+    base, agents = lab_agents
+    out = tmp_path / "sweep"
+    rc = main(["sweep", str(base), *map(str, agents), "-o", str(out), "--candidate", "task_arithmetic scaling=0.5,1",
+               "--candidate", "ram+ r=0.1", "--tasks", "lab:memory,lab:tool_use", "--limit", "3", "--keep", "1",
+               "-q"])
+    assert rc == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert len(doc["candidates"]) == 3 and doc["tasks"] == ["lab:memory", "lab:tool_use"]
+    best = next(c for c in doc["candidates"] if c["id"] == doc["kept"]["best-1"])
+    assert best["where"] == "memory"
+    # the lab's public scorer on the kept checkpoint, loaded from disk, gives what the sweep recorded in memory
+    model, tok = load_checkpoint(out / "best-1")
+    for fam in ("memory", "tool_use"):
+        want = 100.0 * score_examples(model, tok, make_split(make_family(fam), "val", 3, 0))
+        assert best["scores"][f"lab:{fam}"] == pytest.approx(want, abs=1e-9)
+    assert (out / "report.md").is_file()
+
+
+def test_cli_recipe_and_a_resume_with_nothing_left(example, tmp_path: Path, capsys) -> None:
+    from rlmerge.cli import main
+
+    base, agents = example
+    recipe = tmp_path / "sweep.yaml"
+    recipe.write_text(f"base_model: {base}\nmodels:\n  - model: {agents[0]}\n  - model: {agents[1]}\n"
+                      "candidates:\n  - ram+ r=0.1,0.2\n  - method: ties\n"
+                      "    parameters: {density: [0.2, 0.4], scaling: 1.0}\nkeep: 1\n")
+    out = tmp_path / "out"
+    assert main(["sweep", "--recipe", str(recipe), "-o", str(out), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert len(first["ranking"]) == 4 and first["statistics_passes"] == 1 and first["merge_passes"] == 4
+    report = (out / "report.md").read_bytes()
+    assert main(["sweep", "--recipe", str(recipe), "-o", str(out), "--resume", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["ranking"] == first["ranking"] and (out / "report.md").read_bytes() == report
+    assert main(["sweep", "--recipe", str(recipe), "-o", str(out), "--json"]) == 4  # neither --resume nor --force
