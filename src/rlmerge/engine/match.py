@@ -51,6 +51,7 @@ class Match:
     missing: dict[str, list[str]] = field(default_factory=dict)  # tensor → agents without it (allowed)
     tied: list[str] = field(default_factory=list)  # stored once, used as both embedding and lm_head
     warnings: list[str] = field(default_factory=list)
+    base_agents: list[str] = field(default_factory=list)  # agents that are the base folder itself
 
     @property
     def merge_jobs(self) -> list[Job]:
@@ -147,6 +148,9 @@ def _fp8_problems(models: list[Checkpoint]) -> list[RLMergeError]:
     return out
 
 
+BASE_ITSELF = "agent {} is the base folder itself: it contributes nothing"
+
+
 def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | None = None,
                allow_missing: bool = False, count_tied_twice: bool = False) -> Match:
     """Check every agent against the base and lay out the jobs; raise all problems together."""
@@ -163,7 +167,8 @@ def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | N
         problems += _config_problems(base, a)
         problems += _tying_problems(base, a, match)
         if a.path.resolve() == base.path.resolve():
-            match.warnings.append(f"agent {a.label} is the base folder itself: it contributes nothing")
+            match.warnings.append(BASE_ITSELF.format(a.label))
+            match.base_agents.append(a.label)
 
     order = sorted(base.tensors.values(), key=lambda t: (str(t.file), t.offset, t.name))
     for info in order:

@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,9 @@ class MergeResult:
     read_bytes: int = 0  # weights read, over every pass, as counted while reading
     write_bytes: int = 0
     passes: list[str] = field(default_factory=list)  # "statistics", "merge": what ran
+    kept: list[float] | None = None  # per agent, the fraction of τ a magnitude trim kept (TIES), else None
+    defaults: list[str] = field(default_factory=list)  # mergekit defaults a recipe took, in words
+    per_tensor: dict[str, str] = field(default_factory=dict)  # parameters a recipe gave per tensor, in words
 
 
 def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str],
@@ -48,7 +51,7 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           shard_size: str | int = DEFAULT_SHARD_SIZE, block_size: int = DEFAULT_BLOCK, device: str = "cpu",
           force: bool = False, allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
           quiet: bool = True, recipe: Mapping[str, Any] | None = None, resume: bool = False,
-          fsync: bool = True) -> MergeResult:
+          fsync: bool = True, defaults: Sequence[str] = (), notes: Sequence[str] = ()) -> MergeResult:
     """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
 
     >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
@@ -59,6 +62,9 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     complete shard; the output is byte-identical to an uninterrupted run. ``fsync=False`` leaves flushing the
     output to the OS (faster on a slow disk; a power cut soon after the merge may lose it, and ``resume``
     still verifies every kept shard by its CRC-32).
+
+    ``defaults`` and ``notes``: what a recipe's translation said (mergekit's defaults it applied, what it ignores),
+    written to rlmerge.json and the model card.
     """
     t0 = time.perf_counter()
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
@@ -72,7 +78,8 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
             result = _run(pf.match, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,
                           block_size=pf.block_size, device=device, seed=seed, quiet=quiet, recipe=recipe,
-                          extras=extras, fsync=fsync)
+                          extras=extras, fsync=fsync, at=pf.at, schedule=pf.parsed.schedule if pf.parsed else {},
+                          defaults=list(defaults), notes=list(notes))
     finally:
         pf.close()
     result.seconds = time.perf_counter() - t0
@@ -81,14 +88,19 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
 
 def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_bytes: int, block_size: int,
          device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
-         extras: list[Checkpoint] | None = None, fsync: bool = True) -> MergeResult:
+         extras: list[Checkpoint] | None = None, fsync: bool = True, at: Callable[[str], Any] | None = None,
+         schedule: Mapping[str, Any] | None = None, defaults: list[str] | None = None,
+         notes: list[str] | None = None) -> MergeResult:
     extras = extras or []
     stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
-    run = Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents)), extras=extras)
-    chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=partial.resumed > 0)
+    run = Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents), at), extras=extras,
+              at=at)
+    chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=partial.resumed > 0,
+                   at=at)
     metadata = {"rlmerge_method": spec.name}
+    params_key = repr(p) + (repr(sorted((k, str(v)) for k, v in schedule.items())) if schedule else "")
     fp = fingerprint([match.base, *match.agents, *extras], {
-        "method": spec.name, "params": repr(p), "seed": seed, "recipe": recipe, "metadata": metadata,
+        "method": spec.name, "params": params_key, "seed": seed, "recipe": recipe, "metadata": metadata,
         "device": device_type(device),  # float results may differ between CPU and GPU kernels
         "headers": [shard_header(s, metadata).hex() for s in layout_shards(match.jobs, shard_bytes)]})
     fast, torch_backend = make_backends(chosen, run, block_size=block_size, device=device)
@@ -97,18 +109,21 @@ def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_b
                               background=fast is not None)
     with Progress(quiet=quiet) as progress, _closing(fast), writer:
         if partial.resumed:  # the kept shards' tensors are not merged again: a statistics pass recounts them
-            chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=True)
+            chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=True, at=at)
         if chosen.statistics:
             statistics_pass(run, chosen, fast, torch_backend, progress)
             stats.observed = run.observer
         needs = chosen.method_statistics
         run.prepared = spec.prepare(p, stats if needs else None, len(match.agents))
-        warnings = [*match.warnings, *getattr(run.prepared, "warnings", ())]
-        result = MergeResult(partial.output, spec.name, p, stats, warnings=warnings, passes=chosen.passes)
+        warnings = [*(notes or ()), *match.warnings, *getattr(run.prepared, "warnings", ())]
+        result = MergeResult(partial.output, spec.name, p, stats, warnings=warnings, passes=chosen.passes,
+                             defaults=list(defaults or ()), per_tensor={k: str(v) for k, v in (schedule or {}).items()})
         if run.prepared is not None and hasattr(run.prepared, "lambdas"):
             result.lambdas, result.rho = list(run.prepared.lambdas), list(run.prepared.rho)
         merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=not chosen.statistics)
-        if not needs:
+        kept = getattr(run.observer if run.observer is not None else run.prepared, "kept_fraction", None)
+        result.kept = kept(stats) if kept is not None else None
+        if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
             result.warnings += stats.identical_agents()
         _side_files(match.base, writer, match)
         # The statistics this merge already collected feed the report: no extra pass.
