@@ -17,6 +17,7 @@ from rlmerge.methods import get_method
 from rlmerge.methods._ops import uniform
 from rlmerge.methods._select import KthLargest
 from rlmerge.recipe import parse_recipe
+from rlmerge.report.provenance import agent_rows
 from rlmerge.synthetic import write_checkpoint
 
 ULP = 2.0 ** -23
@@ -260,3 +261,20 @@ def test_mergekit_recipe_translation() -> None:
     text = str(e.value)
     for needle in ("slices (layer ranges", "'color'", "filter entry has no `value`"):
         assert needle in text, needle
+
+
+def test_ties_keeps_exactly_k_and_reports_it(example, tmp_path: Path) -> None:
+    """Issue 15: on bf16 agents many |τ| tie at the threshold; ``ties`` keeps exactly k = max(1, ⌊d·numel⌋) per
+    tensor (tie_break index) and reports that fraction as ``kept``; ``keep-all`` keeps every tie (more than k)."""
+    base, agents = example
+    b, ags = load_models(base, agents)
+    names = [k for k, v in b.items() if v.is_floating_point()]
+    total = sum(b[k].numel() for k in names)
+    want = [sum(min(max(1, int(0.1 * b[k].numel())), int((a[k].float() != b[k].float()).sum())) for k in names)
+            / total for a in ags]
+    res = {tb: rlmerge.merge(base, agents, tmp_path / tb, method="ties", dtype="float32",
+                             params={"density": 0.1, "tie_break": tb}) for tb in ("index", "keep-all")}
+    assert res["index"].kept == pytest.approx(want, rel=0, abs=1e-12)
+    assert all(x >= y for x, y in zip(res["keep-all"].kept, want)) and res["keep-all"].kept != res["index"].kept
+    assert [r["kept"] for r in agent_rows(res["index"])] == res["index"].kept
+    assert "| kept |" in (tmp_path / "index" / "README.md").read_text()
