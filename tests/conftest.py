@@ -46,3 +46,17 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert a[k].shape == b[k].shape, k
         assert torch.equal(a[k].view(torch.uint8) if a[k].dtype != torch.bool else a[k],
                            b[k].view(torch.uint8) if b[k].dtype != torch.bool else b[k]), k
+
+
+def interrupt_after(monkeypatch: pytest.MonkeyPatch, shards: int, exc: BaseException) -> None:
+    """Patch CheckpointWriter.write to raise ``exc`` once ``shards`` shards are complete (a stopped merge)."""
+    from rlmerge.io import writer as writer_mod
+
+    orig = writer_mod.CheckpointWriter.write
+
+    def write(w: writer_mod.CheckpointWriter, data: object) -> None:
+        if len(w.partial.shards) >= shards:
+            raise exc
+        orig(w, data)
+
+    monkeypatch.setattr(writer_mod.CheckpointWriter, "write", write)

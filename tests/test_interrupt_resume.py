@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import rlmerge
+from conftest import interrupt_after
 from rlmerge.cli import main
 from rlmerge.errors import OutputError
 from rlmerge.io import writer as writer_mod
@@ -112,7 +113,7 @@ def test_an_error_while_stopping_does_not_hide_the_interrupt(example, tmp_path: 
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     base, agents = example
     out = tmp_path / "out"
-    _Interrupt(monkeypatch, 0, KeyboardInterrupt())
+    interrupt_after(monkeypatch, 0, KeyboardInterrupt())
 
     def broken_exit(w: writer_mod.CheckpointWriter, *exc: object) -> None:
         raise OSError(errno.EIO, "Input/output error")
@@ -124,20 +125,6 @@ def test_an_error_while_stopping_does_not_hide_the_interrupt(example, tmp_path: 
     assert not out.exists() and not partial_path(out).exists()
 
 
-class _Interrupt:
-    """Patch CheckpointWriter.write to raise ``exc`` once ``shards`` shards are complete."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, shards: int, exc: BaseException) -> None:
-        orig = writer_mod.CheckpointWriter.write
-
-        def write(w: writer_mod.CheckpointWriter, data: object) -> None:
-            if len(w.partial.shards) >= shards:
-                raise exc
-            orig(w, data)
-
-        monkeypatch.setattr(writer_mod.CheckpointWriter, "write", write)
-
-
 @pytest.mark.parametrize("method", ["ram", "ram+"])
 def test_resume_is_byte_identical_and_verifies_kept_shards(example, tmp_path: Path, monkeypatch, method) -> None:
     base, agents = example
@@ -145,7 +132,7 @@ def test_resume_is_byte_identical_and_verifies_kept_shards(example, tmp_path: Pa
     rlmerge.merge(base, agents, tmp_path / "ref", **kw)
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        _Interrupt(m, 2, KeyboardInterrupt())
+        interrupt_after(m, 2, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt) as info:
             rlmerge.merge(base, agents, out, **kw)
     assert "--resume" in info.value.rlmerge_hint
@@ -176,7 +163,7 @@ def test_force_discards_a_partial_output(example, tmp_path: Path, monkeypatch) -
     base, agents = example
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        _Interrupt(m, 2, KeyboardInterrupt())
+        interrupt_after(m, 2, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
             rlmerge.merge(base, agents, out, method="ram", shard_size="16KB", block_size=300)
     with pytest.raises(OutputError, match="interrupted merge left"):

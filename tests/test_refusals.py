@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import rlmerge
-from conftest import TINY, load_output
+from conftest import TINY, interrupt_after, load_output
 from rlmerge.cli import main
 from rlmerge.errors import ConfigError, InputError, RLMergeError
 from rlmerge.io import checkpoint
@@ -246,20 +246,12 @@ def test_a_local_path_with_a_typo_is_not_looked_up_on_the_hub(example, tmp_path:
 
 def test_resume_refuses_an_agent_retrained_in_place(example, tmp_path: Path, monkeypatch) -> None:
     """Same header, same size, new weights: the kept shards came from the old ones, so resuming would mix."""
-    from rlmerge.io import writer as writer_mod
 
     base, agents = example
     out = tmp_path / "out"
     kw = {"method": "ram", "shard_size": "16KB", "block_size": 300}
-    orig = writer_mod.CheckpointWriter.write
-
-    def interrupt(w: writer_mod.CheckpointWriter, data: object) -> None:
-        if len(w.partial.shards) >= 2:
-            raise KeyboardInterrupt
-        orig(w, data)
-
     with monkeypatch.context() as m:
-        m.setattr(writer_mod.CheckpointWriter, "write", interrupt)
+        interrupt_after(m, 2, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
             rlmerge.merge(base, agents, out, **kw)
     f = agents[1] / "model.safetensors"

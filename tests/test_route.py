@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import rlmerge
-from conftest import TINY
+from conftest import TINY, interrupt_after
 from rlmerge.synthetic import Shape, make_example
 
 CASES = [  # (method, params): every kind of route
@@ -55,19 +55,11 @@ def test_plan_says_what_the_merge_does(example, tmp_path: Path, monkeypatch, fas
 
 def test_a_resumed_merge_reads_what_its_route_says(example, tmp_path: Path, monkeypatch) -> None:
     """A resumed RAM merge recounts every tensor in a statistics pass, and merges only what was not kept."""
-    from rlmerge.io import writer as writer_mod
 
     base, agents = example
     kw = {"method": "ram", "shard_size": "16KB", "block_size": 300}
-    orig = writer_mod.CheckpointWriter.write
-
-    def interrupt(w: writer_mod.CheckpointWriter, data: object) -> None:
-        if len(w.partial.shards) >= 2:
-            raise KeyboardInterrupt
-        orig(w, data)
-
     with monkeypatch.context() as m:
-        m.setattr(writer_mod.CheckpointWriter, "write", interrupt)
+        interrupt_after(m, 2, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
             rlmerge.merge(base, agents, tmp_path / "out", **kw)
     res = rlmerge.merge(base, agents, tmp_path / "out", **kw, resume=True)

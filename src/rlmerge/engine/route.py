@@ -54,9 +54,6 @@ class Route:
     def passes(self) -> list[str]:
         return ["statistics", "merge"] if self.statistics else ["merge"]
 
-    def backend_of(self, job: Job) -> Kind:
-        return self.kind if job.name in self.fast else "torch"
-
 
 def route(match: Match, spec: MethodSpec | None, p: Any, *, device: str = "cpu", block_size: int,
           extras: Sequence[Checkpoint] = (), resumed: bool = False, agents: int | None = None,

@@ -330,6 +330,10 @@ class Checkpoint:
         self._bin[f] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         return {k: TensorInfo(k, _bin_dtype(f, k, v), tuple(v.shape), f) for k, v in self._bin[f].items()}
 
+    def alias(self, name: str, stored: str) -> None:
+        """Read tensor ``name`` from the stored tensor ``stored`` (a tied checkpoint's lm_head is its embedding)."""
+        self.tensors[name] = self.tensors[stored]
+
     @property
     def files(self) -> list[Path]:
         return list(dict.fromkeys(t.file for t in self.tensors.values()))
@@ -348,7 +352,7 @@ class Checkpoint:
         if n == 0:  # torch.frombuffer refuses empty buffers; an empty tensor has nothing to read
             return dst
         if self.format == "bin":
-            dst.copy_(self._bin[info.file][name].reshape(-1)[start:stop])
+            dst.copy_(self._bin[info.file][info.name].reshape(-1)[start:stop])
             return dst
         dst.copy_(torch.frombuffer(self._read_bytes(info, start, stop), dtype=info.dtype.torch, count=n))
         return dst
@@ -357,7 +361,7 @@ class Checkpoint:
         """Stored bytes of flat elements [start, stop) (valid until the next read)."""
         info = self.tensors[name]
         if self.format == "bin":
-            t = self._bin[info.file][name].reshape(-1)[start:stop].contiguous()
+            t = self._bin[info.file][info.name].reshape(-1)[start:stop].contiguous()
             return memoryview(t.view(torch.uint8).numpy()).cast("B")
         return self._read_bytes(info, start, stop)
 

@@ -214,6 +214,7 @@ class VerlCheckpoint(Checkpoint):
         return view
 
     def read_f32(self, name: str, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        name = self.tensors[name].name  # an alias reads its stored tensor
         dst = out[:stop - start]
         if stop == start:
             return dst
@@ -224,7 +225,7 @@ class VerlCheckpoint(Checkpoint):
 
     def read_raw(self, name: str, start: int, stop: int) -> memoryview:
         info = self.tensors[name]
-        self._raw = self._fill(name, start, stop, torch.empty(stop - start, dtype=info.dtype.torch))
+        self._raw = self._fill(info.name, start, stop, torch.empty(stop - start, dtype=info.dtype.torch))
         return memoryview(self._raw.view(torch.uint8).numpy()).cast("B")
 
     def read_into(self, name: str, start: int, stop: int, buf: memoryview) -> memoryview:

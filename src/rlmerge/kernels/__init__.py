@@ -35,13 +35,13 @@ def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo:
     already did). ``exact``: gram from float64 products, for a method that merges with it (model_stock); else
     float32 sums over tiles. Compiled on first use for each (program, N, dtypes), cached on disk.
     """
-    from .fused import PROGRAMS, STATS_ONLY
+    from .fused import PROGRAMS, STATS_ONLY, ProgramKey
     from .fused import fused_range as kernel
 
     key = STATS_ONLY if program is None else program.key
     if program is not None:
         PROGRAMS.setdefault(key, program)
-    return bool(kernel(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, key))
+    return bool(kernel(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, ProgramKey(key)))
 
 
 def gta_hist_first(*args: Any) -> None:

@@ -9,11 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from rlmerge.lab.tasks import Example, make_family
+from rlmerge.lab.tasks import Example
 from rlmerge.lab.tokenizer import load_tokenizer
+from rlmerge.lab.views import WORD_MAX_NEW_TOKENS, Kind, task_view
 
-# Longest gold answer per family in tokens, plus slack; greedy decoding stops at EOS before this.
-MAX_NEW_TOKENS = {"tool_use": 36, "coding": 24, "memory": 3}
+MAX_NEW_TOKENS = WORD_MAX_NEW_TOKENS  # the tiny lab's, kept under its old name
 
 
 @torch.no_grad()
@@ -39,15 +39,24 @@ def generate(
     return outputs
 
 
-def score_examples(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, examples: list[Example]) -> float:
-    """Mean strict score (0..1) of greedy answers over examples of one family."""
+def score_each(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, examples: list[Example], kind: Kind = "word"
+) -> list[float]:
+    """Strict 0/1 score of the greedy answer to each example (one family), in order."""
     if not examples:
         raise ValueError("no examples to score")
-    family = make_family(examples[0].family)
-    completions = generate(model, tokenizer, [ex.prompt for ex in examples], MAX_NEW_TOKENS[family.name])
+    view = task_view(kind, examples[0].family, tokenizer)
+    completions = generate(model, tokenizer, [view.prompt(ex) for ex in examples], view.max_new_tokens)
     # Coding answers run in subprocesses: two at a time keeps both cores busy without oversubscribing.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        scores = list(pool.map(family.score, completions, examples))
+        return list(pool.map(view.score, completions, examples))
+
+
+def score_examples(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, examples: list[Example], kind: Kind = "word"
+) -> float:
+    """Mean strict score (0..1) of greedy answers over examples of one family."""
+    scores = score_each(model, tokenizer, examples, kind)
     return sum(scores) / len(scores)
 
 
@@ -60,6 +69,13 @@ def load_checkpoint(path: Path | str) -> tuple[torch.nn.Module, PreTrainedTokeni
     return model, load_tokenizer(path)
 
 
-def score_checkpoint(path: Path | str, test_sets: dict[str, list[Example]]) -> dict[str, float]:
+def score_checkpoint_each(
+    path: Path | str, test_sets: dict[str, list[Example]], kind: Kind = "word"
+) -> dict[str, list[float]]:
+    """Per family, the 0/1 score of each example (for paired bootstraps over examples)."""
     model, tokenizer = load_checkpoint(path)
-    return {name: score_examples(model, tokenizer, examples) for name, examples in test_sets.items()}
+    return {name: score_each(model, tokenizer, examples, kind) for name, examples in test_sets.items()}
+
+
+def score_checkpoint(path: Path | str, test_sets: dict[str, list[Example]], kind: Kind = "word") -> dict[str, float]:
+    return {name: sum(s) / len(s) for name, s in score_checkpoint_each(path, test_sets, kind).items()}

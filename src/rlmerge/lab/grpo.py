@@ -1,8 +1,16 @@
 """Train one agent from the base with on-policy RL: TRL's GRPOTrainer with the family's verifiable reward.
 
-A small learning rate and a modest number of steps, as in real agentic RL runs: the float32 drift stays
-small, and after saving in bf16 many elements round back to the base value, which is what makes RL task
-vectors sparse (arXiv 2601.13572, Sec. 3.2).
+Two dials decide how sparse the saved task vector is (docs/lab.md, "the mechanism"):
+- the learning rate: Adam moves every weight that gets a gradient by about lr per step, whatever the
+  gradient's size, so the total drift of a weight is ~lr × steps (less where the gradient's sign flips);
+- the precision: `fp32-master` trains float32 weights and rounds only the saved agent to bf16 (what most
+  RL stacks release); a change survives when the drift exceeds half a bf16 step at the weight (|w|/512
+  to |w|/256, depending on where |w| sits in its binade).
+  `bf16-pure` emulates bf16 parameter storage by rounding every weight to bf16 after every optimizer step
+  (Adam's state stays float32): an update smaller than half a step at |w| is absorbed on the spot, each
+  step, so a weight with |w| > ~256·lr never moves (PULSE, arXiv 2602.03839).
+The tiny lab's default (lr 5e-5, fp32 master) gives dense task vectors; see docs/lab.md for the measured
+densities at other settings.
 """
 
 from __future__ import annotations
@@ -13,17 +21,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from rlmerge.lab.evaluate import MAX_NEW_TOKENS
 from rlmerge.lab.model import save_bf16
 from rlmerge.lab.tasks import Example, make_family, make_split
 from rlmerge.lab.tokenizer import load_tokenizer
+from rlmerge.lab.views import Kind, TaskView, task_view
+
+Precision = Literal["fp32-master", "bf16-pure"]
 
 
 @dataclass(frozen=True)
@@ -31,39 +41,66 @@ class GRPOSettings:
     steps: int = 80
     prompts_per_step: int = 8
     generations: int = 8  # group size: advantages are rewards normalised within a prompt's group
-    # Larger than a 7B run's 1e-6: a 1M-parameter model needs it to move in 80 steps; 1e-4 with 4 prompts
-    # per step made the tool agent worse than its base (measured), so: more prompts, smaller steps.
+    # Large for RL (7B runs use 1e-6 to 3e-6): a 1M-parameter model needs it to move in 80 steps; 1e-4 with
+    # 4 prompts per step made the tool agent worse than its base (measured), so: more prompts, smaller steps.
     lr: float = 5e-5
     temperature: float = 1.0
     beta: float = 0.0  # no KL term and so no reference model: TRL's default, and half the compute
+    precision: Precision = "fp32-master"
 
 
-def reward_function(family_name: str) -> Any:
+@torch.no_grad()
+def round_to_bf16_(model: torch.nn.Module) -> None:
+    """Round every float32 parameter to the nearest bf16 value, in place (bf16 storage, emulated)."""
+    for p in model.parameters():
+        p.copy_(p.to(torch.bfloat16).to(p.dtype))
+
+
+class Bf16Storage(TrainerCallback):
+    """`bf16-pure`: after each optimizer step, parameters are rounded to bf16 as bf16 storage would."""
+
+    def on_optimizer_step(
+        self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **_: Any
+    ) -> None:
+        if model is not None:
+            round_to_bf16_(model)
+
+
+def reward_function(family_name: str, view: TaskView | None = None) -> Any:
     """A TRL reward function: (prompts, completions, **dataset columns) -> one float per completion."""
-    family = make_family(family_name)
+    reward_one = view.reward if view is not None else make_family(family_name).reward
 
     def reward(prompts: list[str], completions: list[str], check: list[str], **_: Any) -> list[float]:
         examples = [Example(family_name, p, "", json.loads(c)) for p, c in zip(prompts, check, strict=True)]
         # Coding rewards wait on sandbox subprocesses: run a few at once.
         with ThreadPoolExecutor(max_workers=4) as pool:
-            return list(pool.map(family.reward, completions, examples))
+            return list(pool.map(reward_one, completions, examples))
 
     reward.__name__ = f"{family_name}_reward"
     return reward
 
 
+def load_for_training(base_dir: Path, precision: Precision) -> torch.nn.Module:
+    """float32 weights from the bf16 base; `bf16-pure` additionally rounds after every step (callback)."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if precision == "bf16-pure":
+        round_to_bf16_(model)  # a no-op for a bf16 base, stated for any other
+    return model
+
+
 def train_agent(
-    base_dir: Path, family_name: str, out_dir: Path, settings: GRPOSettings, *, seed: int = 0
+    base_dir: Path, family_name: str, out_dir: Path, settings: GRPOSettings, *, seed: int = 0, kind: Kind = "word"
 ) -> dict[str, float]:
     """GRPO-train a copy of the base on one family and save it in bf16. Returns timing and reward stats."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer = load_tokenizer(base_dir)
     tokenizer.padding_side = "left"
-    # Train in float32 from the bf16 base values; only the saved agent is rounded back to bf16.
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    view = task_view(kind, family_name, tokenizer)
+    model = load_for_training(base_dir, settings.precision)
     n_prompts = settings.steps * settings.prompts_per_step
     examples = make_split(make_family(family_name), "train", n_prompts, seed)
-    dataset = Dataset.from_list([{"prompt": ex.prompt, "check": json.dumps(ex.check)} for ex in examples])
+    # The reward function rebuilds each Example from the prompt TRL hands back and the `check` column.
+    dataset = Dataset.from_list([{"prompt": view.prompt(ex), "check": json.dumps(ex.check)} for ex in examples])
     config = GRPOConfig(
         output_dir=str(out_dir / "_trainer"),
         use_cpu=True,
@@ -71,10 +108,11 @@ def train_agent(
         max_steps=settings.steps,
         per_device_train_batch_size=settings.prompts_per_step * settings.generations,
         num_generations=settings.generations,
-        max_completion_length=MAX_NEW_TOKENS[family_name],
+        max_completion_length=view.max_new_tokens,
         learning_rate=settings.lr,
         lr_scheduler_type="constant",
         optim="adamw_torch",  # the fused default is meant for accelerators
+        gradient_checkpointing=False,  # TRL's default recomputes activations: ~25 % more compute, no memory need here
         temperature=settings.temperature,
         beta=settings.beta,
         logging_steps=max(1, settings.steps // 5),
@@ -86,10 +124,11 @@ def train_agent(
     )
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=reward_function(family_name),
+        reward_funcs=reward_function(family_name, view),
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
+        callbacks=[Bf16Storage()] if settings.precision == "bf16-pure" else None,
     )
     start = time.time()
     trainer.train()
@@ -101,4 +140,5 @@ def train_agent(
         "steps": float(settings.steps),
         "first_reward": rewards[0] if rewards else float("nan"),
         "last_reward": rewards[-1] if rewards else float("nan"),
+        "rewards": rewards,  # type: ignore[dict-item] - the whole logged curve, for the record
     }

@@ -191,11 +191,6 @@ def _check_unique(params: UniqueParams, n: int) -> None:
                           hint=f"agents are numbered from 0: choose 0 … {n - 1}")
 
 
-def tensor_local_lambdas(params: RamPlusParams, stats: Statistics) -> dict[str, tuple[float, ...]]:
-    """Per-tensor λ of the tensor-local preset, for the report."""
-    return {name: tuple(rescale_factor(params, int(s), int(u)) for s, u in zip(ts.shared, ts.unique))
-            for name, ts in stats.tensors.items()}
-
 
 METHODS = [
     MethodSpec("ram", "RAM: mean over the agents that changed an element; unique elements kept whole",

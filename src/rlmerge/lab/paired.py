@@ -1,0 +1,112 @@
+"""Paired comparisons of two rows (e.g. RAM+ − TA) with confidence intervals.
+
+Two intervals, for two questions:
+- over seeds (`seed_differences`): each seed is a whole pipeline (its own base, agents and test sets);
+  the per-seed differences of the average score get a Student-t 95 % interval, t with n − 1 degrees of
+  freedom. It answers "would another run of the pipeline give the same sign?" and needs ≥ 2 seeds.
+- over test examples (`bootstrap_difference`): one seed, the same test examples scored for both rows;
+  examples are resampled with replacement within each family (the same draw for both rows: paired), the
+  difference of the average over families is recomputed, and the 2.5 / 97.5 % percentiles are the
+  interval. It answers "is the gap larger than the luck of this test set?" for these agents only.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Mapping, Sequence
+
+# Two-sided 95 % Student-t quantiles t_{0.975, df} for df = 1 … 30 (standard tables).
+T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+Z975 = 1.960  # df > 30: the normal quantile (within 2 % of t)
+
+# The comparisons the report lists: (row, against).
+PAIRS: tuple[tuple[str, str], ...] = (
+    ("RAM+", "Task arithmetic"),
+    ("RAM", "Task arithmetic"),
+    ("RAM", "TIES"),
+    ("RAM+", "RAM"),
+    ("RAM", "DARE+TA"),
+    ("RAM+", "DARE+TIES"),
+    ("RAM", "Average"),
+    ("RAM+ (paper defaults)", "Task arithmetic"),
+)
+
+
+def t_interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95 % Student-t interval of the mean. Needs at least two values."""
+    if len(values) < 2:
+        raise ValueError("a t-interval needs at least two values")
+    mean = statistics.fmean(values)
+    df = len(values) - 1
+    t = T975[df - 1] if df <= len(T975) else Z975
+    half = t * statistics.stdev(values) / len(values) ** 0.5
+    return mean, mean - half, mean + half
+
+
+def average(scores: Mapping[str, float]) -> float:
+    return statistics.fmean(scores.values())
+
+
+def seed_differences(
+    seeds: Sequence[Mapping[str, Mapping[str, float]]], pairs: Sequence[tuple[str, str]] = PAIRS
+) -> list[dict[str, object]]:
+    """Per pair: per-seed differences of the average score (points) and their 95 % t-interval.
+
+    `seeds[s][row][family]` is an accuracy in 0..1. Seeds missing either row are left out of that pair.
+    """
+    out: list[dict[str, object]] = []
+    for a, b in pairs:
+        diffs = [100.0 * (average(s[a]) - average(s[b])) for s in seeds if a in s and b in s]
+        row: dict[str, object] = {"pair": f"{a} − {b}", "diffs": diffs}
+        if len(diffs) >= 2:
+            mean, lo, hi = t_interval(diffs)
+            row |= {"mean": mean, "low": lo, "high": hi}
+        elif diffs:
+            row |= {"mean": diffs[0], "low": None, "high": None}
+        else:
+            continue
+        out.append(row)
+    return out
+
+
+def bootstrap_difference(
+    a: Mapping[str, Sequence[float]],
+    b: Mapping[str, Sequence[float]],
+    *,
+    draws: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """(difference, low, high) in points: paired bootstrap over test examples of avg(a) − avg(b).
+
+    `a[family]` and `b[family]` are the 0/1 scores of the same examples in the same order.
+    """
+    families = sorted(a)
+    for f in families:
+        if len(a[f]) != len(b[f]) or not a[f]:
+            raise ValueError(f"family {f}: the two rows must score the same, non-empty list of examples")
+    diff = [[x - y for x, y in zip(a[f], b[f], strict=True)] for f in families]
+    point = 100.0 * statistics.fmean(statistics.fmean(d) for d in diff)
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(draws):
+        per_family = [statistics.fmean(rng.choices(d, k=len(d))) for d in diff]
+        stats.append(100.0 * statistics.fmean(per_family))
+    stats.sort()
+    return point, stats[int(0.025 * draws)], stats[int(0.975 * draws) - 1]
+
+
+def markdown_pairs(rows: Sequence[Mapping[str, object]], *, how: str) -> str:
+    """A table of paired differences: pair, per-seed (or per-test-set) values, mean, 95 % interval."""
+    lines = ["| difference (points, average over tasks) | per seed | mean | 95 % interval |", "|---|---|---|---|"]
+    for r in rows:
+        diffs = ", ".join(f"{d:+.1f}" for d in r.get("diffs", []))  # type: ignore[union-attr]
+        lo, hi = r.get("low"), r.get("high")
+        ci = f"[{lo:+.1f}, {hi:+.1f}]" if lo is not None and hi is not None else "n/a (one seed)"
+        lines.append(f"| {r['pair']} | {diffs} | {r['mean']:+.1f} | {ci} |")
+    lines += ["", f"Interval: {how}."]
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""Lab results → the tables and plots in docs/ (`python -m rlmerge.lab.writeup --help`).
+
+Reads only what the runs wrote (results.json per `rlmerge lab` run, mechanism.json per sweep) and
+prints Markdown; plots go where asked. Nothing here measures anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlmerge.lab.paired import PAIRS, bootstrap_difference, markdown_pairs, seed_differences
+from rlmerge.lab.report import markdown_table, plot
+from rlmerge.lab.tasks import FAMILIES
+
+# Paper, Table 1 (Qwen2.5-7B-Instruct, three RL agents, average over 12 tasks): ram-method.md.
+PAPER_TABLE1 = {
+    "Base": 48.70,
+    "Specialists (paper's order)": "49.35 / 54.16 / 57.77",
+    "Task arithmetic": 58.28,
+    "Fisher": 52.20,
+    "TIES": 60.02,
+    "DARE+TA": 63.33,
+    "DARE+TIES": 62.47,
+    "RAM": 64.82,
+    "RAM+ (paper defaults)": 66.55,  # the paper reports RAM+ at its defaults r = 0.1, α = 2 (no tuning)
+}
+
+
+def load_seeds(files: Sequence[Path]) -> list[dict[str, Any]]:
+    seeds = [seed for f in files for seed in json.loads(Path(f).read_text())["seeds"]]
+    return sorted(seeds, key=lambda s: s["seed"])
+
+
+def _avg(scores: dict[str, float]) -> float:
+    return 100.0 * statistics.fmean(scores[f] for f in FAMILIES)
+
+
+def picks_table(seeds: Sequence[dict[str, Any]]) -> str:
+    """Per tuned row and seed: the chosen point and where it sits in the grid."""
+    rows = sorted({r for s in seeds for r, p in s.get("picks", {}).items() if p.get("grid_points", 1) > 1})
+    lines = ["| row | " + " | ".join(f"seed {s['seed']}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for row in rows:
+        cells = []
+        for s in seeds:
+            p = s.get("picks", {}).get(row)
+            if p is None:
+                cells.append("–")
+                continue
+            searched = [k for k, v in p["position"].items() if v not in ("fixed", "categorical")]
+            where = ", ".join(f"{k} {p['position'][k]}" for k in searched)
+            vals = ", ".join(f"{k}={p['params'][k]}" for k in searched)
+            cells.append(f"{vals} ({where})")
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def density_table(seeds: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| seed | density tool_use / coding / memory (%) | unique share (%) | changed by 0 / 1 / 2 / 3 agents (%) "
+        "| cosine range |",
+        "|---|---|---|---|---|",
+    ]
+    for s in seeds:
+        tv = s["task_vectors"]
+        dens = " / ".join(f"{tv['agents'][f]['density_pct']:.1f}" for f in FAMILIES)
+        uniq = " / ".join(f"{tv['agents'][f]['unique_share_pct']:.1f}" for f in FAMILIES)
+        counts = " / ".join(f"{v:.1f}" for v in tv["count_share_pct"].values())
+        cos = list(tv["cosine"].values())
+        lines.append(f"| {s['seed']} | {dens} | {uniq} | {counts} | {min(cos):.3f} … {max(cos):.3f} |")
+    return "\n".join(lines)
+
+
+def specialist_table(seeds: Sequence[dict[str, Any]]) -> str:
+    head = " | ".join(f"{f} base → specialist" for f in FAMILIES)
+    lines = [
+        f"| seed | {head} | stage times (s): warm-up + 3 agents + scoring + merges + unique rows | total (s) |",
+        "|---|" + "---|" * (len(FAMILIES) + 2),
+    ]
+    for s in seeds:
+        sc = s["scores"]
+        cells = " | ".join(f"{100 * sc['Base'][f]:.1f} → {100 * sc[f'Specialist: {f}'][f]:.1f}" for f in FAMILIES)
+        # A rerun into the same folder reuses a finished base and agents (lab-stage.json): their stage times
+        # are the ones recorded when they were trained, the other stages' the last run's.
+        t = s["timings"]
+        train = [float(s["training"]["base"].get("warmup_seconds", 0.0))]
+        train += [float(s["training"][f]["train_seconds"]) for f in FAMILIES]
+        rest = [t.get("score_base_and_specialists", 0.0), t.get("merges", 0.0), t.get("unique_region", 0.0)]
+        cells += " | " + " + ".join(f"{x:.0f}" for x in train + rest)
+        total = sum(train + rest)
+        lines.append(f"| {s['seed']} | {cells} | {total:.0f} |")
+    return "\n".join(lines)
+
+
+def tiny(files: Sequence[Path], plot_path: Path | None) -> str:
+    seeds = load_seeds(files)
+    scores = {r: [s["scores"][r] for s in seeds if r in s["scores"]] for r in seeds[0]["scores"]}
+    if plot_path is not None:
+        plot(scores, plot_path, f"rlmerge lab (tiny): test accuracy, {len(seeds)} seeds, mean ± std")
+    pairs = seed_differences([s["scores"] for s in seeds])
+    return "\n\n".join([
+        markdown_table(scores),
+        "Paired differences:\n\n" + markdown_pairs(pairs, how=f"Student-t 95 % over {len(seeds)} seeds, n − 1 df"),
+        "Picks on validation (value, and where it sits in its grid):\n\n" + picks_table(seeds),
+        "Specialists against the base on their own task:\n\n" + specialist_table(seeds),
+        "Task vectors:\n\n" + density_table(seeds),
+    ])  # fmt: skip
+
+
+def real_size(file: Path) -> str:
+    """One-seed run (SmolLM2): the paper's Table 1 layout, our columns next to the paper's average."""
+    (seed,) = load_seeds([file])
+    sc = seed["scores"]
+    lines = [
+        "| model | " + " | ".join(FAMILIES) + " | average (ours) | average (paper, Table 1) | chosen on validation |",
+        "|---|" + "---|" * (len(FAMILIES) + 3),
+    ]
+    order = ["Base", *(f"Specialist: {f}" for f in FAMILIES), "Average", "Task arithmetic", "Fisher", "TIES",
+             "DARE+TA", "DARE+TIES", "RAM", "RAM+", "RAM+ (paper defaults)"]  # fmt: skip
+    for row in order:
+        if row not in sc:
+            continue
+        specialists = str(PAPER_TABLE1["Specialists (paper's order)"]) + " (the three)"
+        paper = PAPER_TABLE1.get(row, specialists if row == f"Specialist: {FAMILIES[0]}" else "–")
+        cells = " | ".join(f"{100 * sc[row][f]:.1f}" for f in FAMILIES)
+        note = seed.get("notes", {}).get(row, "")
+        lines.append(f"| {row} | {cells} | {_avg(sc[row]):.1f} | {paper} | {note} |")
+    n = len(next(iter(seed["examples"]["Base"].values())))
+    boot = []
+    for a, b in PAIRS:
+        if a in seed["examples"] and b in seed["examples"]:
+            d, lo, hi = bootstrap_difference(seed["examples"][a], seed["examples"][b], seed=seed["seed"])
+            boot.append({"pair": f"{a} − {b}", "diffs": [d], "mean": d, "low": lo, "high": hi})
+    gains = []
+    for f in FAMILIES:
+        own = {f: seed["examples"][f"Specialist: {f}"][f]}
+        d, lo, hi = bootstrap_difference(own, {f: seed["examples"]["Base"][f]}, seed=seed["seed"])
+        gains.append({"pair": f"Specialist: {f} − Base, on {f}", "diffs": [d], "mean": d, "low": lo, "high": hi})
+    how = f"paired bootstrap over the {n} test examples per task, 2000 draws"
+    return "\n\n".join([
+        "\n".join(lines),
+        "Specialists against the base on their own task:\n\n" + markdown_pairs(gains, how=how),
+        "Paired differences:\n\n" + markdown_pairs(boot, how=how),
+        "Picks on validation:\n\n" + picks_table([seed]),
+        "Task vectors:\n\n" + density_table([seed]),
+    ])  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tiny", nargs="*", type=Path, default=[], help="results.json files of tiny lab runs")
+    ap.add_argument("--tiny-plot", type=Path, help="where to write the combined tiny plot")
+    ap.add_argument("--mechanism", type=Path, help="mechanism.json of a sweep")
+    ap.add_argument("--mechanism-plot", type=Path, help="where to write the mechanism plot")
+    ap.add_argument("--real", type=Path, help="results.json of the SmolLM2 run")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        print(tiny(args.tiny, args.tiny_plot), end="\n\n")
+    if args.mechanism:
+        from rlmerge.lab.dials import markdown_mechanism, plot_mechanism
+
+        results = json.loads(args.mechanism.read_text())
+        print(markdown_mechanism(results), end="\n\n")
+        if args.mechanism_plot:
+            plot_mechanism(results, args.mechanism_plot)
+    if args.real:
+        print(real_size(args.real))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The write-up reads results.json as the pipeline writes it: paper's Table 1 beside ours, paired tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlmerge.lab.tasks import FAMILIES
+from rlmerge.lab.writeup import real_size, tiny
+
+ROWS = ["Base", *(f"Specialist: {f}" for f in FAMILIES), "Task arithmetic", "RAM", "RAM+ (paper defaults)"]
+
+
+def _seed(seed: int, boost: float) -> dict:
+    examples = {r: {f: [1.0, 0.0, 1.0, 0.0] for f in FAMILIES} for r in ROWS}
+    examples["RAM"] = {f: [1.0, 1.0, 1.0, 0.0] if boost else [1.0, 0.0, 1.0, 0.0] for f in FAMILIES}
+    scores = {r: {f: sum(v) / len(v) for f, v in e.items()} for r, e in examples.items()}
+    agents = {f: {"density_pct": 10.0, "unique_share_pct": 40.0} for f in FAMILIES}
+    return {
+        "seed": seed, "scores": scores, "examples": examples, "notes": {"RAM": "epsilon=1e-05"},
+        "picks": {"RAM": {"params": {"epsilon": 1e-5}, "position": {"epsilon": "inside"}, "grid_points": 3}},
+        "training": {"base": {"warmup_seconds": 1.0}, **{f: {"train_seconds": 2.0} for f in FAMILIES}},
+        "timings": {"base": 1.0, "merges": 3.0},
+        "task_vectors": {"agents": agents, "count_share_pct": {"c=0": 70.0, "c=1": 30.0}, "cosine": {"a&b": 0.01}},
+    }  # fmt: skip
+
+
+def test_real_size_table_puts_the_papers_averages_beside_ours(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"seeds": [_seed(0, 1.0)]}))
+    text = real_size(path)
+    assert "| RAM | 75.0 | 75.0 | 75.0 | 75.0 | 64.82 | epsilon=1e-05 |" in text
+    assert "| RAM+ (paper defaults) | 50.0 | 50.0 | 50.0 | 50.0 | 66.55 |" in text
+    assert "| RAM − Task arithmetic | +25.0 |" in text  # paired difference, with its bootstrap interval
+    assert "epsilon=1e-05 (epsilon inside)" in text
+
+
+def test_tiny_combines_seeds_into_paired_t_intervals(tmp_path: Path) -> None:
+    files = []
+    for seed, boost in ((0, 1.0), (1, 0.0)):
+        files.append(tmp_path / f"r{seed}.json")
+        files[-1].write_text(json.dumps({"seeds": [_seed(seed, boost)]}))
+    text = tiny(files, None)
+    assert "| RAM − Task arithmetic | +25.0, +0.0 | +12.5 |" in text
+    assert "| 0 | 50.0 → 50.0" in text and "| 1 + 2 + 2 + 2 + 0 + 3 + 0 | 10 |" in text
