@@ -18,11 +18,8 @@ difference can only be one of meaning. All mergekit merges run in one process (t
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,15 +27,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_output
+from conftest import MERGEKIT_PY, load_output, run_mergekit
 from rlmerge.cli.merge import gather
 from rlmerge.engine.merge import merge
 from rlmerge.errors import RLMergeError
 from rlmerge.synthetic import Shape, config, tensor_shapes, write_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((Path(__file__).parent / "recipes").glob("*.yml"))
-MERGEKIT_PY = ROOT / ".venv-mergekit" / "bin" / "python"
 ULP = 2.0 ** -23
 SHAPE = Shape("llama", vocab=128, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, tie=False)
 AGENTS = {"a": 0.30, "b": 0.46, "c": 0.54, "d": 1.0, "e": 1.0}
@@ -139,12 +134,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
         jobs.append({"recipe": str(resolved), "out": str(root / f"mk-{name}"), "seed": 1,
                      "errors": str(root / f"mk-{name}.error")})
         out[name] = Outcome(None if message else ours, message, warnings, root / f"mk-{name}", "")
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([str(MERGEKIT_PY), str(ROOT / "tests" / "mergekit_driver.py"), str(root / "jobs.json")],
-                          capture_output=True, text=True, timeout=900,
-                          env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-                               "PATH": str(Path(sys.executable).parent)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_mergekit(jobs, root, timeout=900)
     for name, o in out.items():
         err = root / f"mk-{name}.error"
         if err.exists():
