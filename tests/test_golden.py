@@ -320,6 +320,8 @@ VARIANTS = [
     Variant("ram+tensor-local", "ram+", {"preset": "tensor-local", "r": 0.25, "alpha": 0.5}),
     Variant("ram+paper-tied-twice", "ram+", {"preset": "paper", "r": 0.2, "alpha": 1.5}, count_tied_twice=True),
     Variant("ram+arm-r", "ram+", {"preset": "arm-r", "rescale_factor": 1.4}),
+    Variant("ram+magnitude", "ram+", {"preset": "magnitude", "r": 0.15, "alpha": 3.0}),
+    Variant("ram+sign-elect", "ram+", {"preset": "sign-elect", "r": 0.2, "alpha": 1.5}),
     Variant("arm-ties", "arm-ties", {"mask_rate": 0.8}),
     Variant("unique", "unique", {"agent": 1, "divide_by_n": True, "epsilon": 1e-4}),
     Variant("task_arithmetic", "task_arithmetic", {"scaling": 0.3, "weights": W3, "normalize": True}),

@@ -41,6 +41,13 @@ def lab_command(
             "docs/lab.md) from the base and agents of this lab seed folder (e.g. lab-output/seed0)."
         ),
     ] = None,
+    rows: Annotated[
+        str | None,
+        typer.Option(
+            help="Only these rows of the method table (labels, comma-separated, e.g. 'Task arithmetic,RAM+'); "
+            "a rerun into the same --out reuses its base and agents, so new rows can be measured alone."
+        ),
+    ] = None,
 ) -> None:
     """Train a base and three GRPO agents, merge them with every method, score all on held-out tasks."""
     from rlmerge.lab import pipeline
@@ -51,7 +58,15 @@ def lab_command(
     if mechanism_from is not None:
         _mechanism(mechanism_from, out, first_seed, size)
         return
-    summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed)
+    plans = None
+    if rows is not None:
+        wanted = [r.strip() for r in rows.split(",") if r.strip()]
+        known = {p.label: p for p in pipeline.SIZES[size].methods}
+        unknown = [r for r in wanted if r not in known]
+        if unknown or not wanted:
+            raise _usage_error(f"--rows: unknown row(s) {unknown or rows!r}; the {size} rows are: {', '.join(known)}")
+        plans = [known[r] for r in wanted]
+    summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed, methods=plans)
     typer.echo(summary["table"])
     for res in summary["seeds"]:
         for label, reason in res["skipped"].items():

@@ -54,6 +54,17 @@ TINY_GRIDS: tuple[MethodPlan, ...] = (
     # The paper's fixed defaults, untuned, as the paper reports RAM+ (r = 0.1, α = 2; authors' R = 1.2).
     MethodPlan("RAM+ (paper defaults)", "ram+", {"preset": ["paper"]}),
     MethodPlan("RAM+ (official defaults)", "ram+", {"preset": ["official"]}),
+    *(BEYOND_TINY := (  # research rows (issue 17, item 4): the authors' other modes, two presets beyond the paper
+        # R ≤ 10 is the engine's range; with shared/changed ≈ 0.97 here, λ ≈ R.
+        MethodPlan("ARM-R", "ram+", {"preset": ["arm-r"],
+                                     "rescale_factor": [1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]}),
+        # mask_rate = 1 − TIES's density grid; scaling as TIES's
+        MethodPlan("ARM-TIES", "arm-ties", {"mask_rate": [0.1, 0.4, 0.8, 0.95], "scaling": [1.0, 2.0, 3.0]}),
+        MethodPlan("RAM+ magnitude-ρ", "ram+", {"preset": ["magnitude"], "r": [0.1, 0.4, 1.0, 2.0],
+                                                "alpha": [2.0, 8.0, 32.0]}),
+        MethodPlan("RAM+ sign-elect", "ram+", {"preset": ["sign-elect"], "r": [0.1, 0.4, 1.0, 2.0],
+                                               "alpha": [2.0, 8.0, 32.0]}),
+    )),
 )
 METHOD_PLANS = TINY_GRIDS  # the default list (its old name)
 
@@ -67,6 +78,10 @@ SMOLLM2_GRIDS: tuple[MethodPlan, ...] = (
     MethodPlan("RAM", "ram", {"epsilon": [1e-5, 1e-4, 1e-3]}),
     MethodPlan("RAM+", "ram+", {"preset": ["paper"], "r": [0.1, 0.3, 1.0]}),
     MethodPlan("RAM+ (paper defaults)", "ram+", {"preset": ["paper"]}),
+    MethodPlan("ARM-R", "ram+", {"preset": ["arm-r"], "rescale_factor": [1.2, 2.0, 5.0]}),
+    MethodPlan("ARM-TIES", "arm-ties", {"mask_rate": [0.4, 0.8, 0.95]}),
+    MethodPlan("RAM+ magnitude-ρ", "ram+", {"preset": ["magnitude"], "r": [0.1, 0.3, 1.0]}),
+    MethodPlan("RAM+ sign-elect", "ram+", {"preset": ["sign-elect"], "r": [0.1, 0.3, 1.0]}),
 )
 
 # The mechanism sweep (docs/lab.md) only needs the gaps RAM − TA and RAM+ − TA: the same grids, three rows.

@@ -34,6 +34,9 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("RAM+", "DARE+TIES"),
     ("RAM", "Average"),
     ("RAM+ (paper defaults)", "Task arithmetic"),
+    # research rows beyond the paper (merging.BEYOND_TINY): each against TA and against RAM+
+    *((row, other) for row in ("ARM-R", "ARM-TIES", "RAM+ magnitude-ρ", "RAM+ sign-elect")
+      for other in ("Task arithmetic", "RAM+")),
 )
 
 

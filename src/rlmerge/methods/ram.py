@@ -6,7 +6,9 @@ Elementwise rule (paper Eq. 4–6; ../shared/docs/ram-method.md):
         = (1/c_i) Σ_{t active} τ_t,i     if c_i ≥ 2 agents changed i (mean over ACTIVE agents, not N)
 RAM has λ_t = 1 and is elementwise. RAM+ rescales unique elements by λ_t computed from the overlap-unique
 ratio ρ_t = shared_t / unique_t over the WHOLE model (a statistics pass), except the ``tensor-local``
-preset, which reproduces mergekit's ``ramplus_tl`` with ρ per tensor.
+preset, which reproduces mergekit's ``ramplus_tl`` with ρ per tensor. Two presets go beyond the paper
+(methods/ram_beyond.py): ``magnitude`` (ρ from Σ|τ| instead of counts) and ``sign-elect`` (TIES's sign
+election on the shared elements instead of the mean).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import numpy as np
 from ..errors import ConfigError
 from ..params import check_range
 from ..stats import Statistics, TensorStats, overlap_ratio
+from .ram_beyond import MagnitudeSums, magnitude_rho, paper_lambda, sign_elected_mean
 from .rule import Expr, Terms
 from .spec import MethodSpec
 
-Preset = Literal["paper", "paper-soft", "official", "tensor-local", "arm-r"]
+Preset = Literal["paper", "paper-soft", "official", "tensor-local", "arm-r", "magnitude", "sign-elect"]
 PAPER = "arXiv:2601.13572"
 
 # Which knobs each preset reads, and its defaults (paper Eq. 6; appendix; authors' script; mergekit).
@@ -32,6 +35,8 @@ PRESETS: dict[str, dict[str, float]] = {
     "official": {"rescale_factor": 1.2},
     "tensor-local": {"r": 0.1, "alpha": 0.2},
     "arm-r": {"rescale_factor": 1.2},
+    "magnitude": {"r": 0.1, "alpha": 2.0},  # beyond the paper: ρ from Σ|τ| (methods/ram_beyond.py)
+    "sign-elect": {"r": 0.1, "alpha": 2.0},  # beyond the paper: shared elements sign-elected, disjoint mean
 }
 
 
@@ -54,6 +59,8 @@ class RamPlusParams:
     official:     λ = 1 + (R−1)·min(1, ρ), R ≥ 1     R = rescale_factor = 1.2 (authors' arm-r-v2)
     tensor-local: paper formula, ρ per tensor        r = 0.1, α = 0.2 (mergekit ramplus_tl)
     arm-r:        λ = 1 + (R−1)·clip(shared/changed, 0, 1), R ≥ 1   R = 1.2 (authors' earlier arm-r)
+    magnitude:    paper formula, ρ = Σ|τ| shared / Σ|τ| unique       r = 0.1, α = 2.0 (beyond the paper)
+    sign-elect:   paper formula; shared elements: TIES sign election, mean of the agreeing agents (beyond)
     """
 
     preset: Preset = "paper"
@@ -110,7 +117,7 @@ def rescale_factor(params: RamPlusParams, shared: int, unique: int) -> float:
         changed = shared + unique
         big_r = max(params.rescale_factor, 1.0)
         return 1.0 + (big_r - 1.0) * min(max(shared / changed if changed else 0.0, 0.0), 1.0)
-    return 1.0 + params.r * min(max(rho, 0.0), params.alpha)  # paper, tensor-local; ρ = ∞ → α
+    return paper_lambda(params.r, params.alpha, rho)  # paper, tensor-local, sign-elect; ρ = ∞ → α
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,9 @@ class Prepared:
 def prepare_ram_plus(params: RamPlusParams, stats: Statistics | None, n_agents: int) -> Prepared:
     assert stats is not None  # the engine runs the statistics pass for ram+ (needs_stats)
     warnings = stats.identical_agents()
+    if params.preset == "magnitude":  # ρ from the observer's exact Σ|τ| (methods/ram_beyond.py)
+        rho = magnitude_rho(stats.observed)
+        return Prepared(tuple(paper_lambda(params.r, params.alpha, x) for x in rho), tuple(rho), tuple(warnings))
     lambdas = tuple(rescale_factor(params, int(s), int(u)) for s, u in zip(stats.shared, stats.unique))
     return Prepared(lambdas, tuple(stats.rho), tuple(warnings))
 
@@ -152,9 +162,11 @@ def ram_rule(t: Terms, p: Any) -> Expr:
 
 
 def ram_plus_rule(t: Terms, p: Any) -> Expr:
-    """RAM with the single active agent's τ × λ_t (paper Eq. 5–6)."""
+    """RAM with the single active agent's τ × λ_t (paper Eq. 5–6); preset ``sign-elect``: the shared elements
+    take the mean of the agents agreeing with the elected sign (methods/ram_beyond.py)."""
     c, total, scaled = _counted(t, t.agent.lam)
-    mean = total / t.where(c > t.lit(1.0), c, t.lit(1.0))
+    mean = (sign_elected_mean(t, total) if p.preset == "sign-elect"
+            else total / t.where(c > t.lit(1.0), c, t.lit(1.0)))
     merged = t.b + t.where(c >= t.lit(2.0), mean, scaled)
     return t.where(c.eq(t.lit(0.0)), t.b, merged)
 
@@ -198,7 +210,8 @@ METHODS = [
     MethodSpec("ram+", "RAM+: RAM with each agent's unique elements rescaled by λ from the overlap ratio ρ",
                PAPER, "global", RamPlusParams, rule=ram_plus_rule, constants=_ram_plus_constants,
                needs_stats=lambda p: True, prepare=prepare_ram_plus,
-               per_tensor=lambda p: ("r", "alpha") if p.preset == "tensor-local" else ()),
+               per_tensor=lambda p: ("r", "alpha") if p.preset == "tensor-local" else (),
+               observer=lambda p, n, at=None: MagnitudeSums(p.epsilon, n) if p.preset == "magnitude" else None),
     MethodSpec("unique", "base + one agent's unique elements only, at full size or divided by N (paper Fig. 3)",
                PAPER, "elementwise", UniqueParams, rule=unique_rule, constants=_unique_constants,
                check=_check_unique),
