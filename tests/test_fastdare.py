@@ -15,13 +15,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import rlmerge
+from conftest import interrupt_after
 from rlmerge import kernels
 from rlmerge.engine import fast_random as fastdare
 from rlmerge.methods import _l1, _ops
 from rlmerge.methods._ops import chunk_seed, uniform
 from rlmerge.synthetic import Shape, make_example
 from test_fastpath import _edge_models, _same_bytes, same_counts
-from test_interrupt_resume import _files, _Interrupt, _shards_done
+from test_interrupt_resume import _files, _shards_done
 
 pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed: no fast path to test")
 
@@ -287,7 +288,7 @@ def test_resume_is_byte_identical(example, tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("RLMERGE_FAST", "1")
     out = tmp_path / "out"
     with monkeypatch.context() as m:
-        _Interrupt(m, 2, KeyboardInterrupt())
+        interrupt_after(m, 2, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
             rlmerge.merge(base, agents, out, **kw, block_size=300)
     assert _shards_done(out) == 2
