@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,16 @@ def interrupt_after(monkeypatch: pytest.MonkeyPatch, shards: int, exc: BaseExcep
         orig(w, data)
 
     monkeypatch.setattr(writer_mod.CheckpointWriter, "write", write)
+
+
+MERGEKIT_PY = Path(__file__).resolve().parents[1] / ".venv-mergekit" / "bin" / "python"
+
+
+def run_mergekit(jobs: list[dict], folder: Path, timeout: int) -> None:
+    """Run mergekit on ``jobs`` (tests/mergekit_driver.py's format) in one process of its own interpreter."""
+    (folder / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([str(MERGEKIT_PY), str(Path(__file__).parent / "mergekit_driver.py"),
+                           str(folder / "jobs.json")], capture_output=True, text=True, timeout=timeout,
+                          env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+                               "PATH": str(Path(sys.executable).parent)})
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,7 +1,8 @@
 """Run several mergekit recipes in ONE process (mergekit's import costs seconds): used by the parity tests.
 
 Run with mergekit's own interpreter: ``.venv-mergekit/bin/python tests/mergekit_driver.py jobs.json``, where
-jobs.json is a list of {"recipe": PATH, "out": PATH, "seed": INT | null}. Prints one line per job.
+jobs.json is a list of {"recipe": PATH, "out": PATH, "seed": INT | null, "errors": PATH (optional)}. Prints one
+line per job. A job with "errors" records mergekit's refusal there (its exception, as text) instead of stopping.
 """
 
 import json
@@ -19,11 +20,17 @@ def main(path: str) -> None:
     with open(path) as f:
         jobs = json.load(f)
     for job in jobs:
-        with open(job["recipe"]) as f:
-            config = MergeConfiguration.model_validate(yaml.safe_load(f))
-        options = MergeOptions(random_seed=job.get("seed"), quiet=True, copy_tokenizer=False,
-                               write_model_card=False)
-        run_merge(config, job["out"], options=options)
+        try:
+            with open(job["recipe"]) as f:
+                config = MergeConfiguration.model_validate(yaml.safe_load(f))
+            options = MergeOptions(random_seed=job.get("seed"), quiet=True, copy_tokenizer=False,
+                                   write_model_card=False)
+            run_merge(config, job["out"], options=options)
+        except Exception as e:  # noqa: BLE001  a refusal is an answer too when the job asks to record it
+            if "errors" not in job:
+                raise
+            with open(job["errors"], "w") as f:
+                f.write(f"{type(e).__name__}: {e}")
         print("done", job["out"], flush=True)
 
 

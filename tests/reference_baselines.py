@@ -26,12 +26,19 @@ def whole_uniform(seed: int, agent: int, name: str, numel: int) -> torch.Tensor:
 
 
 def ties_masks(taus: list[torch.Tensor], density: list[float], *, numel_all: int | None = None,
-               global_tau: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Per-tensor: |τ| ≥ k-th largest, k = max(1, ⌊d·numel⌋); global: ≥ (⌊d·D⌋+1)-th largest of the whole τ."""
+               global_tau: list[torch.Tensor] | None = None, tie_break: str = "index") -> list[torch.Tensor]:
+    """Per-tensor: the k = max(1, ⌊d·numel⌋) largest |τ|, ties at the k-th broken by flat index (``index``) or all
+    kept (``keep-all``: |τ| ≥ k-th largest); global: ≥ (⌊d·D⌋+1)-th largest of the whole τ."""
     out = []
     for t, tau in enumerate(taus):
         if density[t] >= 1:
             out.append(torch.ones_like(tau, dtype=torch.bool))
+        elif global_tau is None and tie_break == "index":  # exactly k: equal |τ| by flat index, first kept
+            k = max(1, int(density[t] * tau.numel()))
+            order = torch.sort(tau.abs().reshape(-1), descending=True, stable=True).indices
+            mask = torch.zeros(tau.numel(), dtype=torch.bool)
+            mask[order[:k]] = True
+            out.append(mask.reshape(tau.shape))
         elif global_tau is None:
             out.append(tau.abs() >= kth_largest(tau, max(1, int(density[t] * tau.numel()))))
         else:

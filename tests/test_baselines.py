@@ -17,6 +17,7 @@ from rlmerge.methods import get_method
 from rlmerge.methods._ops import uniform
 from rlmerge.methods._select import KthLargest
 from rlmerge.recipe import parse_recipe
+from rlmerge.report.provenance import agent_rows
 from rlmerge.synthetic import write_checkpoint
 
 ULP = 2.0 ** -23
@@ -54,7 +55,8 @@ def _dense(base: Path, agents: list[Path], method: str, seed: int = 0, **kw: obj
     for k in names:
         base_k, tk = b[k].float(), taus[k]
         if method in ("ties", "ties_global"):
-            masks = ref.ties_masks(tk, dens, global_tau=global_tau if method == "ties_global" else None)
+            masks = ref.ties_masks(tk, dens, global_tau=global_tau if method == "ties_global" else None,
+                                   tie_break=str(kw.get("tie_break") or "index"))
             pruned = [t * m for t, m in zip(tk, masks)]
             out[k] = ref.gta_combine(base_k, pruned, list(W), sign=True, normalize=True, scaling=0.7)
         elif method.startswith("breadcrumbs"):
@@ -78,6 +80,7 @@ def _dense(base: Path, agents: list[Path], method: str, seed: int = 0, **kw: obj
 
 GTA_CASES = [
     ("ties", {"density": (0.3, 0.2, 0.1), "scaling": 0.7}),
+    ("ties", {"density": (0.3, 0.2, 0.1), "scaling": 0.7, "tie_break": "keep-all"}),
     ("ties_global", {"density": (0.3, 0.2, 0.1), "scaling": 0.7}),
     ("breadcrumbs", {"density": (0.5, 0.3, 0.2), "gamma": 0.05}),
     ("breadcrumbs_ties", {"density": (0.5, 0.3, 0.2), "gamma": 0.05}),
@@ -88,12 +91,13 @@ GTA_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("method", "params"), GTA_CASES, ids=[c[0] for c in GTA_CASES])
+@pytest.mark.parametrize(("method", "params"), GTA_CASES,
+                         ids=[c[0] + ("-" + c[1]["tie_break"] if "tie_break" in c[1] else "") for c in GTA_CASES])
 def test_gta_methods_equal_dense_reference(example, tmp_path: Path, method: str, params: dict) -> None:
     base, agents = example
     got = _merge_twice(base, agents, tmp_path, method, {**params, "weights": W}, seed=5)
     dens = params["density"] if "density" in params else tuple(1 - p for p in params["p"])
-    want = _dense(base, agents, method, seed=5, density=dens)
+    want = _dense(base, agents, method, seed=5, density=dens, tie_break=params.get("tie_break"))
     _close({k: v for k, v in got.items() if v.is_floating_point()}, want)
 
 
@@ -212,7 +216,7 @@ OUT_OF_RANGE = [
     ("ties", {"density": (0.2, -0.1)}), ("ties_global", {"density": 2}), ("dare_ta", {"p": 1.0}),
     ("dare_ties", {"p": -0.1}), ("dare_ta", {"density": 0}), ("dare_ta", {"p": 0.5, "density": 0.5}),
     ("dare_ta", {"rescale": "l2"}), ("breadcrumbs", {"gamma": 1.0}), ("breadcrumbs", {"density": 0}),
-    ("della", {"density": 0.1, "epsilon": 0.2}), ("della", {"epsilon": 0.5}), ("della", {"density": 1.0}),
+    ("della", {"density": 0.1, "epsilon": 0.2}), ("della", {"epsilon": 0.5}), ("della", {"density": 1.01}),
     ("slerp", {"t": 1.5}), ("slerp", {"dot_threshold": -1}), ("fisher", {"fisher": "f", "floor": 0}),
     ("fisher", {"fisher": "f", "weights": (-1,)}), ("model_stock", {"filter_wise": "maybe"}),
     ("ties", {"weights": (1, 20)}), ("ties", {"lambda": 1}),
@@ -240,16 +244,37 @@ def test_mergekit_recipe_translation() -> None:
            "parameters": {"lambda": 0.9, "rescale": True, "int8_mask": True}, "tokenizer_source": "base"}
     rec = parse_recipe(doc)
     assert rec.method == "dare_ties" and rec.agents == ["x", "y"] and rec.dtype == "float32"
-    assert rec.parameters == {"scaling": 0.9, "rescale": "l1", "weights": (0.5, 1.0), "density": (0.3, 0.6)}
+    assert rec.parameters == {"scaling": 0.9, "rescale": "l1", "weights": (0.5, 1.0), "density": (0.3, 0.6),
+                              "normalize": False}  # mergekit's dare_ties sums (normalize: false by default)
+    assert "normalize = False (mergekit's default)" in rec.defaults
+    assert any(d.startswith("weight = 1.0 for models[1]") for d in rec.defaults), rec.defaults
     get_method(rec.method).parse(rec.parameters)
     rec = parse_recipe({"merge_method": "ramplus_tl", "base_model": "b", "models": ["x", "y"],
                         "parameters": {"r": 0.2}})
-    assert (rec.method, rec.parameters) == ("ram+", {"preset": "tensor-local", "r": 0.2})
+    assert (rec.method, rec.parameters) == ("ram+", {"preset": "tensor-local", "r": 0.2, "alpha": 0.2,
+                                                     "epsilon": 1e-5})  # mergekit's defaults, written out
     bad = {"merge_method": "ties", "base_model": "b", "models": [
         {"model": "x", "parameters": {"density": 0.3, "color": 1}}, {"model": "y"}],
-        "parameters": {"weight": [{"filter": "mlp", "value": 1}]}, "slices": []}
+        "parameters": {"weight": [{"filter": "mlp"}]}, "slices": []}
     with pytest.raises(RLMergeError) as e:
         parse_recipe(bad)
     text = str(e.value)
-    for needle in ("'slices'", "'color'", "models[1] has no 'density'", "gradients and filters"):
+    for needle in ("slices (layer ranges", "'color'", "filter entry has no `value`"):
         assert needle in text, needle
+
+
+def test_ties_keeps_exactly_k_and_reports_it(example, tmp_path: Path) -> None:
+    """Issue 15: on bf16 agents many |τ| tie at the threshold; ``ties`` keeps exactly k = max(1, ⌊d·numel⌋) per
+    tensor (tie_break index) and reports that fraction as ``kept``; ``keep-all`` keeps every tie (more than k)."""
+    base, agents = example
+    b, ags = load_models(base, agents)
+    names = [k for k, v in b.items() if v.is_floating_point()]
+    total = sum(b[k].numel() for k in names)
+    want = [sum(min(max(1, int(0.1 * b[k].numel())), int((a[k].float() != b[k].float()).sum())) for k in names)
+            / total for a in ags]
+    res = {tb: rlmerge.merge(base, agents, tmp_path / tb, method="ties", dtype="float32",
+                             params={"density": 0.1, "tie_break": tb}) for tb in ("index", "keep-all")}
+    assert res["index"].kept == pytest.approx(want, rel=0, abs=1e-12)
+    assert all(x >= y for x, y in zip(res["keep-all"].kept, want)) and res["keep-all"].kept != res["index"].kept
+    assert [r["kept"] for r in agent_rows(res["index"])] == res["index"].kept
+    assert "| kept |" in (tmp_path / "index" / "README.md").read_text()

@@ -189,6 +189,9 @@ dtype: float32
     prov = json.loads((tmp_path / "m" / "rlmerge.json").read_text())
     assert prov["parameters"] == {"scaling": 0.3, "weights": [0.5, 1.0, 1.0], "normalize": False}
     assert prov["recipe"]["merge_method"] == "task_arithmetic"
+    # mergekit's defaults for what the recipe omits: printed (even with -q) and kept in the provenance
+    for d in ("weight = 1.0 for models[1], models[2]", "normalize = False (mergekit's default)"):
+        assert d in err and any(x.startswith(d) for x in prov["defaults_applied"]), (d, err, prov)
     b, ags = load_output(base), [load_output(a) for a in agents]
     name = "model.layers.0.mlp.down_proj.weight"
     taus = [a[name].float() - b[name].float() for a in ags]
@@ -196,7 +199,7 @@ dtype: float32
     assert torch.equal(load_output(tmp_path / "m")[name], want)
     recipe.write_text(recipe.read_text() + "bogus: 1\nslices: []\n")
     code, _, err = run(capsys, "merge", "--recipe", recipe, "-o", tmp_path / "m2")
-    assert code == 2 and "unsupported key 'bogus'" in err and "unsupported key 'slices'" in err
+    assert code == 2 and "unsupported key 'bogus'" in err and "slices (layer ranges" in err
 
 
 def test_console_script_runs(example, tmp_path: Path) -> None:
@@ -231,3 +234,19 @@ def test_fsync_by_default_and_no_fsync_writes_the_same_files(example, tmp_path: 
     assert files == sorted(p.name for p in (tmp_path / "b").iterdir())
     for f in files:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+def test_one_weight_for_every_agent(example, tmp_path: Path, capsys) -> None:
+    """docs/methods.md: a per-agent parameter takes one value for all agents: ``--param weights=0.5`` is
+    ``weights=0.5,0.5,0.5`` (it was refused: issue 15)."""
+    base, agents = example
+    for i, w in enumerate(("0.5", "0.5,0.5,0.5")):
+        code, _, err = run(capsys, "merge", base, *agents, "-o", tmp_path / str(i), "-q", "--method",
+                           "task_arithmetic", "--param", f"weights={w}", "--dtype", "float32")
+        assert code == 0, err
+    one, three = load_output(tmp_path / "0"), load_output(tmp_path / "1")
+    assert one.keys() == three.keys() and all(torch.equal(one[k], three[k]) for k in one)
+    b, ags = load_output(base), [load_output(a) for a in agents]
+    name = "model.layers.0.mlp.down_proj.weight"
+    want = b[name].float() + sum((a[name].float() - b[name].float()) * 0.5 for a in ags)
+    assert torch.allclose(one[name], want, rtol=0, atol=4e-7 * float(want.abs().max()))

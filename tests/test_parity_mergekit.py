@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from conftest import TINY, load_output
+from conftest import MERGEKIT_PY, TINY, load_output, run_mergekit
 from rlmerge.cli import main as cli_main
 from rlmerge.synthetic import config, perturb, random_base, write_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
-MERGEKIT_PY = ROOT / ".venv-mergekit" / "bin" / "python"
 pytestmark = pytest.mark.skipif(not MERGEKIT_PY.exists(),
                                 reason="mergekit is not installed: run `make mergekit` (creates .venv-mergekit)")
 ULP = 2.0 ** -23
@@ -101,12 +97,7 @@ def parity(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pa
         code = cli_main(["merge", "--recipe", str(recipe), "-o", str(root / f"rl-{name}"), "-q", "--seed", "1"])
         assert code == 0, name
         out[name] = (root / f"rl-{name}", root / f"mk-{name}", paths)
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([str(MERGEKIT_PY), str(ROOT / "tests" / "mergekit_driver.py"), str(root / "jobs.json")],
-                          capture_output=True, text=True, timeout=600,
-                          env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-                               "PATH": str(Path(sys.executable).parent)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_mergekit(jobs, root, timeout=600)
     return out
 
 

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,6 +103,12 @@ def test_tied_weights_counted_once_or_twice(tmp_path: Path) -> None:
     assert list(once.statistics.shared) == s1 and list(twice.statistics.shared) == s2
     assert list(twice.statistics.unique) == u2 and s1 != s2
     assert twice.lambdas == pytest.approx([lam("paper", s, u) for s, u in zip(s2, u2)], abs=0)
+    # Only the counts that feed ρ double (issue 15): elements, densities, norms and cosines count each stored
+    # element once either way.
+    assert once.statistics.numel == twice.statistics.numel == sum(v.numel() for v in b.values()
+                                                                   if v.is_floating_point())
+    for attr in ("changed", "norms", "cosine"):
+        assert np.array_equal(getattr(once.statistics, attr), getattr(twice.statistics, attr)), attr
     # Tied stays tied: lm_head is not stored, exactly as in the base.
     assert "lm_head.weight" not in load_output(tmp_path / "once")
     prov = json.loads((tmp_path / "once" / "rlmerge.json").read_text())

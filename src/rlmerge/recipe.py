@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,19 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError, ProblemsError, RLMergeError, raise_all
-from .mergekit_names import translate
+from .mergekit_names import METHODS, NOT_SUPPORTED, translate
 from .params import parse_params
 
 TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "options", "tokenizer_source"}
 MODEL_KEYS = {"model", "parameters"}
+# mergekit keys rlmerge does not take, and why (docs/methods.md, "Not supported, and why")
+MERGEKIT_ONLY = {
+    "slices": "slices (layer ranges from several models, layer stacking) are not supported: rlmerge merges whole "
+              "fine-tunes of one base, tensor by tensor; list them under models:",
+    "modules": "modules (per-module recipes of multi-module models) are not supported; list the models under models:",
+    "tokenizer": "tokenizer: (a merged or extended vocabulary) is not supported: rlmerge keeps the base's tokenizer",
+    "chat_template": "chat_template is not supported: rlmerge copies the base's tokenizer and chat template",
+}
 
 
 @dataclass(frozen=True)
@@ -51,19 +60,35 @@ class Recipe:
     dtype: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
+    defaults: list[str] = field(default_factory=list)  # mergekit's defaults applied, in words (printed, provenance)
+    warnings: list[str] = field(default_factory=list)  # what the recipe gives that is ignored, as mergekit does
 
 
-def load_recipe(path: str | Path) -> Recipe:
+def load_recipe(path: str | Path, *, methods: Collection[str] | None = None) -> Recipe:
+    """The recipe at ``path`` (``methods``: rlmerge's method names, to name an unknown method first)."""
     p = Path(path)
     try:
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
+        doc = yaml.safe_load(text)
     except OSError as e:
         raise ConfigError(f"cannot read recipe: {e.strerror}", file=str(p)) from e
     except UnicodeDecodeError as e:
         raise ConfigError(f"recipe is not UTF-8 text: {e}", file=str(p)) from e
+    except yaml.composer.ComposerError as e:
+        if "expected a single document" in str(e):
+            raise ConfigError(f"the recipe holds {_documents(text)} YAML documents (separated by ---); a recipe is "
+                              "one document", file=str(p), hint="put each recipe in its own file") from e
+        raise ConfigError(f"recipe is not valid YAML: {e}", file=str(p)) from e
     except (yaml.YAMLError, RecursionError) as e:
         raise ConfigError(f"recipe is not valid YAML: {e}", file=str(p)) from e
-    return parse_recipe(doc, where=str(p))
+    return parse_recipe(doc, where=str(p), methods=methods)
+
+
+def _documents(text: str) -> str:
+    try:
+        return str(sum(1 for _ in yaml.safe_load_all(text)))
+    except (yaml.YAMLError, RecursionError):
+        return "several"
 
 
 def _unknown(mapping: dict[Any, Any], known: set[str]) -> list[Any]:
@@ -71,7 +96,11 @@ def _unknown(mapping: dict[Any, Any], known: set[str]) -> list[Any]:
     return sorted((k for k in mapping if k not in known), key=repr)
 
 
-def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
+def parse_recipe(doc: Any, *, where: str = "recipe", methods: Collection[str] | None = None) -> Recipe:
+    """A recipe from its YAML document; every problem is collected and raised together, the cause first.
+
+    ``methods``: rlmerge's method names; given, an unknown ``merge_method`` is reported before anything that
+    depends on the method (a missing base_model)."""
     if not isinstance(doc, dict):
         raise ConfigError("recipe must be a mapping with merge_method, base_model and models", file=where)
     problems: list[RLMergeError] = []
@@ -79,27 +108,39 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
     def bad(msg: str, hint: str | None = None) -> None:
         problems.append(ConfigError(msg, file=where, hint=hint))
 
-    for key in _unknown(doc, TOP_KEYS):
-        bad(f"unsupported key {key!r}", hint=f"supported keys: {', '.join(sorted(TOP_KEYS))}")
     method = doc.get("merge_method")
+    known = isinstance(method, str) and (method in METHODS or methods is None or method in methods)
     if not isinstance(method, str):
         bad("merge_method is missing or not a string")
+    elif method in NOT_SUPPORTED:
+        bad(f"mergekit method {method!r} is not supported: {NOT_SUPPORTED[method]}",
+            hint="docs/methods.md lists what rlmerge merges (\"Not supported, and why\")")
+    elif not known:
+        bad(f"unknown method {method!r}", hint=f"choose one of: {', '.join(sorted({*(methods or ()), *METHODS}))}")
+    for key in _unknown(doc, TOP_KEYS):
+        if key in MERGEKIT_ONLY:
+            bad(MERGEKIT_ONLY[key], hint="docs/methods.md, \"Not supported, and why\"")
+        else:
+            bad(f"unsupported key {key!r}", hint=f"supported keys: {', '.join(sorted(TOP_KEYS))}")
     base = doc.get("base_model")
     models = doc.get("models")
     # mergekit's linear needs no base: the first model then serves as the plan's reference, and stays an agent.
     linear = method == "linear"
-    if base is None and linear and isinstance(models, list) and models:
-        first = models[0]
-        base = first if isinstance(first, str) else (first or {}).get("model") if isinstance(first, dict) else None
-    if not isinstance(base, str):
+    listed = [m if isinstance(m, str) else m.get("model") if isinstance(m, dict) else None
+              for m in (models if isinstance(models, list) else [])]
+    base_input = linear and isinstance(base, str) and base not in listed
+    if base is None and linear and listed:
+        base = listed[0]
+    if not isinstance(base, str) and known and not (isinstance(method, str) and method in NOT_SUPPORTED):
         bad("base_model is missing or not a string (a folder or a hub id)")
     if doc.get("tokenizer_source", "base") != "base":
         bad(f"tokenizer_source {doc['tokenizer_source']!r} is not supported",
             hint="rlmerge keeps the base's tokenizer: use tokenizer_source: base")
     agents: list[str] = []
     per_model: list[dict[str, Any]] = []
-    if not isinstance(models, list) or not models:
+    if (not isinstance(models, list) or not models) and "slices" not in doc and "modules" not in doc:
         bad("models must be a non-empty list of {model: PATH}")
+    if not isinstance(models, list):
         models = []
     for i, m in enumerate(models):
         entry = {"model": m} if isinstance(m, str) else m
@@ -120,11 +161,17 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
     if not isinstance(params, dict):
         bad("parameters must be a mapping")
         params = {}
-    if any("weight" in m for m in per_model) and "weights" in params:
-        bad("weights given both per model and under parameters")
-    method, params, problems_mk = translate(str(method), params, per_model)
-    for msg in problems_mk:
-        bad(msg)
+    if base_input:  # mergekit's linear adds a base_model it does not find among the models as one more input
+        if "weight" not in params:
+            bad("linear with a base_model that is not among the models: mergekit merges the base as one more "
+                "model and needs its weight", hint="list the base among models with its weight, give a weight "
+                "under parameters, or drop base_model")
+        agents.append(str(base))
+        per_model.append({})
+    tr = translate(str(method), params, per_model)
+    for e in tr.problems:
+        bad(e.message, e.hint)
+    method, params = tr.method, tr.params
     options = doc.get("options") or {}
     if not isinstance(options, dict):
         bad("options must be a mapping")
@@ -139,4 +186,5 @@ def parse_recipe(doc: Any, *, where: str = "recipe") -> Recipe:
         problems += e.problems if isinstance(e, ProblemsError) else [e]
     dtype = doc.get("out_dtype", doc.get("dtype"))  # mergekit computes in dtype and writes out_dtype
     raise_all(problems)
-    return Recipe(str(method), str(base), agents, params, None if dtype is None else str(dtype), typed, raw=doc)
+    return Recipe(str(method), str(base), agents, params, None if dtype is None else str(dtype), typed, raw=doc,
+                  defaults=tr.defaults, warnings=tr.warnings)

@@ -163,13 +163,16 @@ class Statistics:
             ts = self.tensors[name] = TensorStats(numel, self.n_agents, weight, self.thresholds)
         return ts
 
-    def _sum(self, attr: str) -> np.ndarray:
-        vals = [getattr(ts, attr) * ts.weight for ts in self.tensors.values()]
+    def _sum(self, attr: str, weighted: bool = False) -> np.ndarray:
+        """The model's total of a per-tensor statistic. ``weighted``: a tied tensor counted twice when asked
+        (``count_tied_twice``), which only the counts that feed ρ (shared, unique) are: norms, cosines, densities
+        and histograms always count each stored element once."""
+        vals = [getattr(ts, attr) * (ts.weight if weighted else 1) for ts in self.tensors.values()]
         return np.sum(vals, axis=0) if vals else np.zeros(self.n_agents, dtype=np.int64)
 
     @property
     def numel(self) -> int:
-        return sum(ts.numel * ts.weight for ts in self.tensors.values())
+        return sum(ts.numel for ts in self.tensors.values())
 
     @property
     def kofn(self) -> np.ndarray:
@@ -181,11 +184,11 @@ class Statistics:
 
     @property
     def shared(self) -> np.ndarray:
-        return self._sum("shared")
+        return self._sum("shared", weighted=True)
 
     @property
     def unique(self) -> np.ndarray:
-        return self._sum("unique")
+        return self._sum("unique", weighted=True)
 
     @property
     def density(self) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -36,29 +36,46 @@ class Request:
     dtype: str | None
     options: dict[str, Any]
     raw: dict[str, Any] | None
+    defaults: list[str] = field(default_factory=list)  # mergekit's defaults a recipe took (printed, provenance)
+    warnings: list[str] = field(default_factory=list)  # what a recipe gives that is ignored, as mergekit ignores it
 
 
 def gather(models: list[str] | None, recipe: Path | None, method: str | None, dtype: str | None,
            param: list[str] | None, **flags: Any) -> Request:
     """Models from the command line or a recipe, the recipe's values overridden by explicit flags."""
+    from ..methods import ALIASES, REGISTRY
+
     params: dict[str, Any] = {}
     options: dict[str, Any] = {}
     raw = None
+    defaults: list[str] = []
+    warnings: list[str] = []
     if recipe is not None:
-        rec = load_recipe(recipe)
+        rec = load_recipe(recipe, methods={*REGISTRY, *ALIASES})
         if models:
             raise ConfigError("give models either on the command line or in --recipe, not both")
         base, agents, raw = rec.base, rec.agents, rec.raw
         method, dtype = method or rec.method, dtype or rec.dtype
         params.update(rec.parameters)
         options.update(rec.options)
+        defaults, warnings = rec.defaults, rec.warnings
     else:
         if not models or len(models) < 2:
             raise ConfigError("need BASE and at least one AGENT (or --recipe)")
         base, agents = models[0], models[1:]
-    params.update({k: v for k, v in flags.items() if v is not None})
-    params.update(dict(parse_param(p) for p in param or []))
-    return Request(base, list(agents), method or "ram+", params, dtype, options, raw)
+    given = {k: v for k, v in flags.items() if v is not None}
+    given.update(dict(parse_param(p) for p in param or []))
+    params.update(given)
+    defaults = [d for d in defaults if d.split(" = ")[0] not in given]  # a flag overrides a recipe's default
+    return Request(base, list(agents), method or "ram+", params, dtype, options, raw, defaults, warnings)
+
+
+def print_notes(req: Request) -> None:
+    """The defaults a recipe took and what it gives that is ignored: said before anything runs."""
+    for d in req.defaults:
+        err.print(f"[cyan]default:[/] {d}")
+    for w in req.warnings:
+        err.print(f"[yellow]warning:[/] {w}")
 
 
 def merge_command(
@@ -99,6 +116,8 @@ def merge_command(
     options.update({k: v for k, v in run.items() if v is not None})
     options["allow_missing"] = allow_missing or options.get("allow_missing", False)
     options["count_tied_twice"] = count_tied_twice or options.get("count_tied_twice", False)
+    if not json_out:
+        print_notes(req)
     run_merge = merge
     if backend == "ray":
         from ..engine.distributed import merge_on_ray  # Ray is imported only here
@@ -107,9 +126,11 @@ def merge_command(
     elif backend != "local":
         raise ConfigError(f"--backend {backend!r}", hint="local or ray")
     res = run_merge(req.base, req.agents, output, method=req.method, params=req.params, dtype=req.dtype, force=force,
-                    quiet=quiet or json_out, recipe=req.raw, resume=resume, fsync=fsync, **options)
+                    quiet=quiet or json_out, recipe=req.raw, resume=resume, fsync=fsync, defaults=req.defaults,
+                    notes=req.warnings, **options)
     for w in res.warnings:
-        err.print(f"[yellow]warning:[/] {w}")
+        if w not in req.warnings:  # said before the merge
+            err.print(f"[yellow]warning:[/] {w}")
     if json_out:
         out.print_json(json.dumps(result_json(res)))
     elif not quiet:
@@ -121,7 +142,7 @@ def result_json(res: MergeResult) -> dict[str, Any]:
 
     return {"output": str(res.output), "method": res.method, "agents": agent_rows(res),
             "seconds": round(res.seconds, 3), "read_bytes": res.read_bytes, "write_bytes": res.write_bytes,
-            "warnings": res.warnings}
+            "warnings": res.warnings, **({"defaults": res.defaults} if res.defaults else {})}
 
 
 def print_result(res: MergeResult) -> None:
@@ -129,7 +150,7 @@ def print_result(res: MergeResult) -> None:
 
     rows = agent_rows(res)
     table = Table(title=f"{res.method} merge of {len(rows)} agents")
-    cols = [c for c in ("agent", "density", "unique", "shared", "rho", "lambda") if c in rows[0]]
+    cols = [c for c in ("agent", "density", "kept", "unique", "shared", "rho", "lambda") if c in rows[0]]
     for c in cols:
         table.add_column({"rho": "ρ", "lambda": "λ"}.get(c, c), justify="left" if c == "agent" else "right")
     for row in rows:
@@ -141,7 +162,7 @@ def print_result(res: MergeResult) -> None:
 
 
 def _fmt(col: str, v: Any) -> str:
-    if col == "density":
+    if col in ("density", "kept"):
         return f"{v:.2%}"
     if isinstance(v, float):
         return f"{v:.4f}"

@@ -12,7 +12,7 @@ from ..engine.dryrun import DryRun, dry_run
 from ..errors import ProblemsError
 from . import options as o
 from .console import err, out
-from .merge import gather
+from .merge import gather, print_notes
 
 
 def plan_command(
@@ -47,8 +47,11 @@ def plan_command(
                      allow_missing=allow_missing, count_tied_twice=count_tied_twice, force=force, resume=resume,
                      **options)
     if json_out:
-        out.print_json(json.dumps(report.to_json()))
+        doc = report.to_json()
+        doc["warnings"] = [*req.warnings, *doc["warnings"]]
+        out.print_json(json.dumps({**doc, **({"defaults": req.defaults} if req.defaults else {})}))
     else:
+        print_notes(req)
         print_report(report)
     if report.problems:
         raise ProblemsError(report.problems) if len(report.problems) > 1 else report.problems[0]

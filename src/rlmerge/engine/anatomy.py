@@ -33,7 +33,7 @@ class MagnitudeObserver:
         self.mags = mags
 
     def observe(self, ctx: BlockContext, base: torch.Tensor, deltas: torch.Tensor) -> None:
-        self.mags.update(base, deltas, ctx.tensor_stats.weight if ctx.tensor_stats is not None else 1)
+        self.mags.update(base, deltas)  # each stored element once, also with count_tied_twice (only ρ's counts)
 
     def again(self, name: str | None) -> bool:
         return False  # one pass is enough

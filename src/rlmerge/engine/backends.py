@@ -14,6 +14,7 @@ write the same bytes (the golden matrix, tests/test_golden.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,10 +45,16 @@ class Run:
     prepared: Any = None  # spec.prepare's constants, set between the passes
     read_bytes: int = 0  # what the passes read, as they read it
     cache: Any = None  # cache.CacheView: what earlier merges of the same inputs gathered (a sweep), or None
+    at: Callable[[str], Any] | None = None  # tensor name → its parameters, where a recipe gave them per tensor
+
+    def params_of(self, name: str) -> Any:
+        """The parameters of tensor ``name`` (``params`` unless a recipe's gradient or filter made them its own)."""
+        return self.params if self.at is None else self.at(name)
 
     def context(self, job: Job, blk: Block, prepared: Any) -> BlockContext:
         return BlockContext(job.name, blk.start, blk.stop, job.info.shape, job.present, prepared,
-                            self.stats.tensors.get(job.name), self.seed, blk.extra)
+                            self.stats.tensors.get(job.name), self.seed, blk.extra,
+                            None if self.at is None else self.at(job.name))
 
 
 class Backend(Protocol):
@@ -124,7 +131,8 @@ class TorchBackend:
                 count(run.stats, job, blk, files)
             else:
                 check_finite(blk.deltas, blk.deltas.sum(1), name=job.name, files=files, start=blk.start)
-            merged = run.spec.merge_block(blk.base, blk.deltas, run.params, run.context(job, blk, run.prepared))
+            merged = run.spec.merge_block(blk.base, blk.deltas, run.params_of(job.name),
+                                          run.context(job, blk, run.prepared))
             out.write_now(tensor_bytes(cast(merged, job, blk.start)))
             bar.advance(blk.n * job.out_dtype.itemsize)
 
@@ -146,8 +154,8 @@ class FusedBackend:
 
     def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
         run = self.run
-        args = rule_args(run.spec, run.params, run.prepared, run.stats.tensors.get(job.name), len(run.match.agents),
-                         run.stats.epsilon, job.name)
+        args = rule_args(run.spec, run.params_of(job.name), run.prepared, run.stats.tensors.get(job.name),
+                         len(run.match.agents), run.stats.epsilon, job.name)
         merge_job_fast(self.fast, self._blocks, job, args, ts, out, bar)
 
 

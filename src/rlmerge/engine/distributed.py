@@ -224,7 +224,8 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
                  allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
                  recipe: Mapping[str, Any] | None = None, fsync: bool = True, workers: int | None = None,
                  partition: Sequence[Sequence[int]] | None = None, retries: int = 3, address: str | None = None,
-                 cache: StatsCache | None = None, quiet: bool = True) -> MergeResult:
+                 cache: StatsCache | None = None, quiet: bool = True, defaults: Sequence[str] = (),
+                 notes: Sequence[str] = ()) -> MergeResult:
     """``rlmerge.merge`` with its passes run as Ray tasks (see the module docstring); the same output bytes.
 
     ``workers``: tasks at once (default: every one), and the number of tensor groups the statistics are mapped
@@ -238,6 +239,9 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
     try:
         raise_all(pf.problems)
         assert pf.match is not None and pf.spec is not None and pf.base is not None
+        if pf.at is not None:
+            raise ConfigError("a recipe whose parameters vary by layer or module (gradients, filters) runs on the "
+                              "local backend only", hint="merge it without --backend ray")
         check_copies(pf.match)
         init(address)
         req = _Request(str(pf.base.path), tuple(str(a.path) for a in pf.agents if a is not None), method,
@@ -245,7 +249,7 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
                        count_tied_twice)
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
             result = _merge(pf, partial, req, recipe=recipe, fsync=fsync, workers=workers, partition=partition,
-                            retries=retries, cache=cache)
+                            retries=retries, cache=cache, defaults=list(defaults), notes=list(notes))
     finally:
         pf.close()
     result.seconds = time.perf_counter() - t0
@@ -254,7 +258,7 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
 
 def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping[str, Any] | None, fsync: bool,
            workers: int | None, partition: Sequence[Sequence[int]] | None, retries: int,
-           cache: StatsCache | None) -> MergeResult:
+           cache: StatsCache | None, defaults: list[str], notes: list[str]) -> MergeResult:
     match, spec, p = pf.match, pf.spec, pf.params
     assert match is not None and spec is not None
     extras = [x for x in pf.extras if x is not None]
@@ -272,8 +276,8 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
         needs = chosen.method_statistics
         prepared = spec.prepare(p, stats if needs else None, len(match.agents))
         collect = not stats.tensors
-        result = MergeResult(partial.output, spec.name, p, stats, passes=chosen.passes,
-                             warnings=[*match.warnings, *getattr(prepared, "warnings", ())])
+        result = MergeResult(partial.output, spec.name, p, stats, passes=chosen.passes, defaults=defaults,
+                             warnings=[*notes, *match.warnings, *getattr(prepared, "warnings", ())])
         if prepared is not None and hasattr(prepared, "lambdas"):
             result.lambdas, result.rho = list(prepared.lambdas), list(prepared.rho)
         todo = [[i for i in g if i >= kept] for g in groups]

@@ -14,7 +14,7 @@ import numpy as np
 from ..io.writer import CheckpointWriter
 from ..methods._l1 import CHUNK, l1_factors
 from ..methods._ops import chunk_seed, row_length
-from ..methods.gta import combine_constants, per_agent
+from ..methods.gta import combine_constants, magprune_epsilon, per_agent
 from ..stats import TensorStats
 from .fast import FastPath, next_block, statistics_pass_fast, stats_args, write_slot
 from .match import Job
@@ -72,14 +72,8 @@ class RandomBackend:
         preset, params = run.spec.sparsify, run.params
         self.run, self.fast, self.n, self.seed = run, fast, n, run.seed
         self.params = params
-        self.c = combine_constants(run.spec.name, preset, params, n)
         self.stats_args = stats_args(n, run.stats.epsilon)
-        dens = np.array(per_agent(params.density, n, "gta", "density"), dtype=np.float32)
         self.magprune = preset.prune == "magprune"
-        # the keep probability's terms as gta.prune_block rounds them: density − ε, 2ε (float32; DARE: ε = 0)
-        eps = np.array(per_agent(getattr(params, "epsilon", 0.0), n, "della", "epsilon"), dtype=np.float32)
-        self.plo = dens - eps if self.magprune else dens
-        self.p2e = np.float32(2.0) * eps
         self.rescale = RESCALE[params.rescale]
         self.ones = np.ones(n, dtype=np.float32)
         self.no_mask = np.empty((n, 0), dtype=np.uint8)
@@ -87,6 +81,17 @@ class RandomBackend:
 
     def reads(self, job: Job) -> int:
         return random_reads(self.params, job, self.fast.step(job))
+
+    def _constants(self, job: Job) -> None:
+        """The tensor's combine constants and keep probability's terms, as gta.prune_block rounds them: density − ε,
+        2ε (float32; DARE: ε = 0)."""
+        run, n = self.run, self.n
+        params = run.params_of(job.name)
+        self.c = combine_constants(run.spec.name, run.spec.sparsify, params, n)
+        dens = np.array(per_agent(params.density, n, "gta", "density"), dtype=np.float32)
+        eps = np.array(magprune_epsilon(params, n) if self.magprune else (0.0,) * n, dtype=np.float32)
+        self.plo = dens - eps if self.magprune else dens
+        self.p2e = np.float32(2.0) * eps
 
     def statistics(self, jobs: list[Job], bar: Any) -> None:
         statistics_pass_fast(self.fast, jobs, self.run.stats, bar)  # a resumed run's counts; DARE needs none
@@ -126,6 +131,7 @@ class RandomBackend:
         fast, blocks = self.fast, self._blocks
         nblocks = -(-job.numel // fast.step(job))
         seeds = self._seeds(job)
+        self._constants(job)
 
         def take() -> tuple[int, int, Any, np.ndarray, np.ndarray]:  # counted on the first read only
             return next_block(blocks, job, fast, ts if first_read else None, self.stats_args)

@@ -14,8 +14,8 @@ import numpy as np
 
 from .. import kernels
 from ..io.writer import CheckpointWriter
-from ..methods._select import BINS, ROUNDS
-from ..methods.gta import GtaObserver, _ranks, combine_constants
+from ..methods._select import BINS, NO_CUT, ROUNDS, TieCut
+from ..methods.gta import GtaObserver, combine_constants
 from ..stats import TensorStats
 from .fast import FastPath, next_block, statistics_pass_fast, stats_args, write_slot
 from .match import Job
@@ -29,8 +29,7 @@ SELECTING = ("magnitude", "magnitude-global", "outliers")  # the sparsify preset
 
 def selects(obs: GtaObserver, job: Job) -> bool:
     """Whether a tensor needs thresholds of its own (per-tensor presets with a density below 1)."""
-    return obs.preset.prune != "magnitude-global" and any(
-        r for t in range(obs.n) for r in _ranks(obs.preset.prune, job.numel, obs.density[t], obs.gamma[t]))
+    return obs.selects(job.name, job.numel)
 
 
 def select_reads(obs: GtaObserver, job: Job, block: int, cached: CacheView | None = None) -> int:
@@ -55,7 +54,8 @@ class SelectBackend:
         observer = run.observer
         assert isinstance(observer, GtaObserver)  # the route chose this backend for a selecting preset
         self.run, self.fast, self.obs = run, fast, observer
-        self.c = combine_constants(run.spec.name, run.spec.sparsify, run.params, n)
+        observer.stream_cuts = False  # exact k: the ties at a threshold are cut while the tensor is merged
+        self.no_cut = np.full(n, NO_CUT, dtype=np.int64)
         self.stats_args = stats_args(n, run.stats.epsilon)
         self.whole_model = observer.preset.prune == "magnitude-global"
         # round 0 per agent: sub-histograms of the digit, then the zeros; later rounds per query, spares past the end
@@ -173,15 +173,42 @@ class SelectBackend:
                 while more is not False:
                     self._count(job, start, base, agents)
                     more = self._end_round(job.name)
+            cut = self.obs.cut  # exact k: where the ties at each threshold stop, found block by block
+            if cut is not None and not cut.done:
+                _feed_cut(cut, start, base, agents)
             merged = fast.out_view(slot, job, stop - start)
-            self._merge(job, base, agents, merged)
+            self._merge(job, start, base, agents, merged, self.no_cut if cut is None else cut.cut)
             write_slot(out, slot, merged)
             bar.advance((stop - start) * job.out_dtype.itemsize)
 
-    def _merge(self, job: Job, base: np.ndarray, agents: Any, merged: np.ndarray) -> None:
+    def _merge(self, job: Job, start: int, base: np.ndarray, agents: Any, merged: np.ndarray, cut: np.ndarray
+               ) -> None:
         keep_lo, keep_hi = (np.ascontiguousarray(r) for r in self.obs.window(job.name))
-        c = self.c
+        run = self.run
+        c = combine_constants(run.spec.name, run.spec.sparsify, run.params_of(job.name), len(run.match.agents))
+        cut = np.ascontiguousarray(cut, dtype=np.int64)
         self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_merge_range(
-            base, agents, lo, hi, keep_lo, keep_hi, c.w, c.elect, c.normalize, c.div, c.scaling, c.apply_scaling,
-            merged))
+            base, agents, lo, hi, keep_lo, keep_hi, cut, start, c.w, c.elect, c.normalize, c.div, c.scaling,
+            c.apply_scaling, merged))
+
+
+CUT_CHUNK = 1 << 16  # elements decoded at a time to find a tie cut: a few hundred KB beside the block
+
+
+def _feed_cut(cut: TieCut, start: int, base: np.ndarray, agents: Any) -> None:
+    """Feed one block to ``cut`` in chunks (decoding the whole block at once would need N float32 copies of it),
+    stopping once every cut is found."""
+    for lo in range(0, base.shape[0], CUT_CHUNK):
+        hi = min(lo + CUT_CHUNK, base.shape[0])
+        cut.feed(start + lo, _abs_tau(base[lo:hi], [a[lo:hi] for a in agents]))
+        if cut.done:
+            return
+
+
+def _abs_tau(base: np.ndarray, agents: Any) -> np.ndarray:
+    """|τ| [N, n] float32 of one block of the mapped inputs (bfloat16 bits or float32), as the kernels decode it."""
+    def f32(x: np.ndarray) -> np.ndarray:
+        return (x.astype(np.uint32) << np.uint32(16)).view(np.float32) if x.dtype == np.uint16 else x
+    b = f32(base)
+    return np.stack([np.abs(f32(a) - b) for a in agents])
 

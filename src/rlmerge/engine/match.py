@@ -52,6 +52,7 @@ class Match:
     tied: list[str] = field(default_factory=list)  # stored once, used as both embedding and lm_head
     untied_output: bool = False  # lm_head merged on its own although the base ties it: the config must say so
     warnings: list[str] = field(default_factory=list)
+    base_agents: list[str] = field(default_factory=list)  # agents that are the base folder itself
 
     @property
     def merge_jobs(self) -> list[Job]:
@@ -168,6 +169,9 @@ def _fp8_problems(models: list[Checkpoint]) -> list[RLMergeError]:
     return out
 
 
+BASE_ITSELF = "agent {} is the base folder itself: it contributes nothing"
+
+
 def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | None = None,
                allow_missing: bool = False, count_tied_twice: bool = False) -> Match:
     """Check every agent against the base and lay out the jobs; raise all problems together."""
@@ -184,7 +188,8 @@ def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | N
     for a in agents:
         problems += _config_problems(base, a)
         if a.path.resolve() == base.path.resolve():
-            match.warnings.append(f"agent {a.label} is the base folder itself: it contributes nothing")
+            match.warnings.append(BASE_ITSELF.format(a.label))
+            match.base_agents.append(a.label)
 
     # stored order (an alias — a tied model's lm_head — after the stored tensors), the job named by the key
     order = sorted(base.tensors.items(), key=lambda kv: (kv[0] != kv[1].name, str(kv[1].file), kv[1].offset, kv[0]))

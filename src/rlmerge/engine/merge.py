@@ -44,6 +44,9 @@ class MergeResult:
     read_bytes: int = 0  # weights read, over every pass, as counted while reading
     write_bytes: int = 0
     passes: list[str] = field(default_factory=list)  # "statistics", "merge": what ran
+    kept: list[float] | None = None  # per agent, the fraction of τ a magnitude trim kept (TIES), else None
+    defaults: list[str] = field(default_factory=list)  # mergekit defaults a recipe took, in words
+    per_tensor: dict[str, str] = field(default_factory=dict)  # parameters a recipe gave per tensor, in words
 
 
 def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str],
@@ -51,7 +54,8 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           shard_size: str | int = DEFAULT_SHARD_SIZE, block_size: int = DEFAULT_BLOCK, device: str = "cpu",
           force: bool = False, allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
           quiet: bool = True, recipe: Mapping[str, Any] | None = None, resume: bool = False,
-          fsync: bool = True, cache: StatsCache | None = None) -> MergeResult:
+          fsync: bool = True, cache: StatsCache | None = None, defaults: Sequence[str] = (),
+          notes: Sequence[str] = ()) -> MergeResult:
     """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
 
     >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
@@ -63,6 +67,9 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     output to the OS (faster on a slow disk; a power cut soon after the merge may lose it, and ``resume``
     still verifies every kept shard by its CRC-32). ``cache`` (engine/cache.py): statistics shared with other
     merges of the same inputs (``rlmerge.sweep`` keeps one).
+
+    ``defaults`` and ``notes``: what a recipe's translation said (mergekit's defaults it applied, what it ignores),
+    written to rlmerge.json and the model card.
     """
     t0 = time.perf_counter()
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
@@ -76,7 +83,9 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
             result = _run(pf.match, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,
                           block_size=pf.block_size, device=device, seed=seed, quiet=quiet, recipe=recipe,
-                          extras=extras, fsync=fsync, cache=cache.view(pf.match, extras) if cache else None)
+                          extras=extras, fsync=fsync, cache=cache.view(pf.match, extras) if cache else None,
+                          at=pf.at, schedule=pf.parsed.schedule if pf.parsed else {}, defaults=list(defaults),
+                          notes=list(notes))
     finally:
         pf.close()
     result.seconds = time.perf_counter() - t0
@@ -85,10 +94,12 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
 
 def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_bytes: int, block_size: int,
          device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
-         extras: list[Checkpoint] | None = None, fsync: bool = True, cache: CacheView | None = None) -> MergeResult:
+         extras: list[Checkpoint] | None = None, fsync: bool = True, cache: CacheView | None = None,
+         at: Callable[[str], Any] | None = None, schedule: Mapping[str, Any] | None = None,
+         defaults: list[str] | None = None, notes: list[str] | None = None) -> MergeResult:
     extras = extras or []
     metadata, fp = output_fingerprint(match, spec, p, seed=seed, recipe=recipe, device=device,
-                                      shard_bytes=shard_bytes, extras=extras)
+                                      shard_bytes=shard_bytes, extras=extras, schedule=schedule)
 
     def writer(background: bool) -> CheckpointWriter:
         return CheckpointWriter(partial, match.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp,
@@ -96,15 +107,19 @@ def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_b
                                 background=background)
 
     return execute(match, spec, p, writer, output=partial.output, block_size=block_size, device=device, seed=seed,
-                   quiet=quiet, recipe=recipe, extras=extras, cache=cache)
+                   quiet=quiet, recipe=recipe, extras=extras, cache=cache, at=at, schedule=schedule,
+                   defaults=defaults, notes=notes)
 
 
 def output_fingerprint(match: Match, spec: MethodSpec, p: Any, *, seed: int, recipe: Mapping[str, Any] | None,
-                       device: str, shard_bytes: int, extras: Sequence[Checkpoint]) -> tuple[dict[str, str], str]:
-    """(the shards' metadata, the fingerprint of everything that decides the output bytes: what --resume checks)."""
+                       device: str, shard_bytes: int, extras: Sequence[Checkpoint],
+                       schedule: Mapping[str, Any] | None = None) -> tuple[dict[str, str], str]:
+    """(the shards' metadata, the fingerprint of everything that decides the output bytes: what --resume checks).
+    ``schedule``: a recipe's per-tensor parameters (gradients, filters), part of what decides the bytes."""
     metadata = {"rlmerge_method": spec.name}
+    params_key = repr(p) + (repr(sorted((k, str(v)) for k, v in schedule.items())) if schedule else "")
     fp = fingerprint([match.base, *match.agents, *extras], {
-        "method": spec.name, "params": repr(p), "seed": seed, "recipe": recipe, "metadata": metadata,
+        "method": spec.name, "params": params_key, "seed": seed, "recipe": recipe, "metadata": metadata,
         "device": device_type(device),  # float results may differ between CPU and GPU kernels
         "headers": [shard_header(s, metadata).hex() for s in layout_shards(match.jobs, shard_bytes)]})
     return metadata, fp
@@ -112,22 +127,27 @@ def output_fingerprint(match: Match, spec: MethodSpec, p: Any, *, seed: int, rec
 
 def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool], Any], *, output: Path,
             block_size: int, device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
-            extras: Sequence[Checkpoint] = (), cache: CacheView | None = None) -> MergeResult:
+            extras: Sequence[Checkpoint] = (), cache: CacheView | None = None,
+            at: Callable[[str], Any] | None = None, schedule: Mapping[str, Any] | None = None,
+            defaults: Sequence[str] | None = None, notes: Sequence[str] | None = None) -> MergeResult:
     """One merge, into the writer ``make_writer(background)`` returns: ``CheckpointWriter`` (shards in a partial
     folder) or ``io.memory.MemoryWriter`` (a sweep's candidate, a state dict). ``cache``: statistics an earlier
     merge of the same inputs gathered (a sweep's); what it covers is not read again, and what this merge
-    gathers is added to it."""
+    gathers is added to it. ``at``/``schedule``: a recipe's per-tensor parameters (the cache is not used with
+    them); ``defaults``/``notes``: what the recipe's translation applied and ignored, for the provenance."""
     extras = list(extras)
+    if at is not None:
+        cache = None  # the cache is keyed by one set of parameters
     stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
-    run = Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents)), extras=extras,
-              cache=cache)
-    chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, cached=cache)
+    run = Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents), at), extras=extras,
+              cache=cache, at=at)
+    chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, cached=cache, at=at)
     fast, torch_backend = make_backends(chosen, run, block_size=block_size, device=device)
     writer = make_writer(fast is not None)
     with Progress(quiet=quiet) as progress, _closing(fast), writer:
         if writer.resumed:  # the kept shards' tensors are not merged again: a statistics pass recounts them
             chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=True,
-                           cached=cache)
+                           cached=cache, at=at)
         collect = not chosen.statistics
         if chosen.statistics:
             statistics_pass(run, chosen, fast, torch_backend, progress)
@@ -144,14 +164,17 @@ def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool]
                 stats.observed = run.observer
         needs = chosen.method_statistics
         run.prepared = spec.prepare(p, stats if needs else None, len(match.agents))
-        warnings = [*match.warnings, *getattr(run.prepared, "warnings", ())]
-        result = MergeResult(output, spec.name, p, stats, warnings=warnings, passes=chosen.passes)
+        warnings = [*(notes or ()), *match.warnings, *getattr(run.prepared, "warnings", ())]
+        result = MergeResult(output, spec.name, p, stats, warnings=warnings, passes=chosen.passes,
+                             defaults=list(defaults or ()), per_tensor={k: str(v) for k, v in (schedule or {}).items()})
         if run.prepared is not None and hasattr(run.prepared, "lambdas"):
             result.lambdas, result.rho = list(run.prepared.lambdas), list(run.prepared.rho)
         merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=collect)
         if collect and cache is not None:
             cache.put_counts(spec, p, stats, chosen.fast)  # counted by the backend that merged each tensor
-        if not needs:
+        kept = getattr(run.observer if run.observer is not None else run.prepared, "kept_fraction", None)
+        result.kept = kept(stats) if kept is not None else None
+        if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
             result.warnings += stats.identical_agents()
         finish_output(writer, match, result, recipe)
     result.read_bytes, result.write_bytes = run.read_bytes, match.write_bytes

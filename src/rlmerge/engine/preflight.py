@@ -10,7 +10,7 @@ dtype) is found while merging, before the output is published.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,11 +22,13 @@ from ..io.open import open_one
 from ..io.partial import output_problems
 from ..io.writer import parse_size
 from ..methods import MethodSpec, get_method, validate
+from ..methods.spec import Parsed
+from ..schedule import layer_positions
 from . import budget
 from .blocks import DEFAULT_BLOCK, device_type
 from .budget import MemoryEstimate, check_memory, estimate_memory
 from .fast import compute_threads
-from .match import Match, match_models
+from .match import BASE_ITSELF, Match, match_models
 from .route import Route, route
 
 OUT_DTYPES = (BF16, F16, F32)  # what --dtype may ask for
@@ -69,7 +71,9 @@ class Preflight:
     """The checked request. ``problems`` empty means the merge can start; ``close()`` the checkpoints after."""
 
     spec: MethodSpec | None = None
-    params: Any = None
+    params: Any = None  # the parameters every tensor shares
+    parsed: Parsed | None = None
+    at: Callable[[str], Any] | None = None  # tensor name → its parameters (a recipe's gradients resolved)
     out_dtype: DType | None = None
     shard_bytes: int = 0
     block_size: int = 0
@@ -135,12 +139,17 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
         problems += [x for x in flat(e) if here or "no agents given" not in x.message]
     block = pf.block_size or DEFAULT_BLOCK
     n_mem = len(agents) + len(extra_specs)
+    if pf.match is not None and pf.spec is not None and not pf.spec.task_vectors:  # linear: the base is an input
+        itself = {BASE_ITSELF.format(a) for a in pf.match.base_agents}
+        pf.match.warnings = [w for w in pf.match.warnings if w not in itself]
+    if pf.match is not None and pf.parsed is not None:
+        problems += _bind(pf, pf.parsed, len(agents))
     configured = pf.spec is not None and pf.params is not None and not any(
         isinstance(x, ConfigError) for x in problems)
     if pf.match is not None and configured:
         try:
             pf.route = route(pf.match, pf.spec, pf.params, device=device, block_size=block,  # type: ignore[arg-type]
-                             extras=[x for x in pf.extras if x], agents=len(agents))
+                             extras=[x for x in pf.extras if x], agents=len(agents), at=pf.at)
         except RLMergeError as e:
             problems += flat(e)
     pf.memory = pf.route.memory if pf.route is not None else estimate_memory(
@@ -150,7 +159,7 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
         check_memory(pf.memory, len(agents), pf.available,
                      fits=None if pf.route is None else lambda b: route(  # type: ignore[arg-type]
                          pf.match, pf.spec, pf.params, device=device, block_size=b,
-                         extras=[x for x in pf.extras if x], agents=len(agents)).memory.total)
+                         extras=[x for x in pf.extras if x], agents=len(agents), at=pf.at).memory.total)
     except RLMergeError as e:
         problems.append(e)
     return pf
@@ -158,7 +167,21 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
 
 def _method(pf: Preflight, method: str, params: Mapping[str, Any] | None) -> None:
     pf.spec = get_method(method)
-    pf.params = pf.spec.parse(params)
+    pf.parsed = pf.spec.parse_scheduled(params)
+    pf.params = pf.parsed.params
+
+
+def _bind(pf: Preflight, parsed: Parsed, n: int) -> list[RLMergeError]:
+    """Each merged tensor's parameters (a recipe's gradients and filters resolved), checked before any weight is
+    read; ``pf.at`` gives them by name."""
+    assert pf.match is not None
+    names = [j.name for j in pf.match.merge_jobs]
+    try:
+        positions = layer_positions(names, pf.match.base.config) if parsed.schedule else {}
+    except RLMergeError as e:
+        return flat(e)
+    pf.at, problems = parsed.bind(positions, n)
+    return problems
 
 
 def _open(specs: Sequence[str | os.PathLike[str]], problems: list[RLMergeError]) -> list[Checkpoint | None]:

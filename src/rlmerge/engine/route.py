@@ -19,7 +19,7 @@ reports it (its passes, bytes read and peak memory are the route's), and ``inspe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -60,18 +60,22 @@ class Route:
 
 def route(match: Match, spec: MethodSpec | None, p: Any, *, device: str = "cpu", block_size: int,
           extras: Sequence[Checkpoint] = (), resumed: bool = False, agents: int | None = None,
-          cached: CacheView | None = None) -> Route:
+          cached: CacheView | None = None, at: Callable[[str], Any] | None = None) -> Route:
     """The route of a merge of ``match`` with ``spec`` and ``p`` (``spec`` None: ``inspect``, the statistics
     pass alone). ``agents``: the number of agents to budget memory for (a plan whose agents could not all be
     opened still estimates for every one). ``cached``: statistics an earlier merge of the same inputs gathered
-    (engine/cache.py); what they cover is not read again."""
+    (engine/cache.py); what they cover is not read again. ``at``: each tensor's parameters where a recipe gave
+    them per tensor (its thresholds, hence its reads, may differ); the cache is keyed by one set of parameters,
+    so it is not used for such a merge."""
+    if at is not None:
+        cached = None
     n = len(match.agents)
     jobs = match.merge_jobs
     if spec is None:  # inspect: the statistics pass alone, on torch (its extra counters are torch's)
         memory = estimate_memory(match.base, match.agents, block_size, n_agents=agents)
         return Route("torch", frozenset(), frozenset(), True, False, {j.name: 1 for j in jobs},
                      {j.name: 0 for j in jobs}, memory, sum(_bytes(match, j, ()) for j in jobs), 0)
-    observer = spec.observer(p, n)
+    observer = spec.observer(p, n, at)
     kind = _kind(match, spec, p, observer, device=device, extras=extras)
     fast = frozenset(j.name for j in jobs if kind != "torch" and eligible(match, j))
     # an observer (thresholds made in the statistics pass) runs on torch, whatever merges afterwards

@@ -71,8 +71,8 @@ def hist_next(base, agents, lo, hi, streams, prefix, active, shift, width, hist)
 
 
 @njit(nogil=True, cache=True)
-def _tile(base, agents, lo, m, keep_lo, keep_hi, w, elect, normalize, div, scaling, apply_scaling, out,  # type: ignore[no-untyped-def]
-          wtd, b32, total, den, sgn):
+def _tile(base, agents, lo, m, keep_lo, keep_hi, cut, offset, w, elect, normalize, div, scaling, apply_scaling,  # type: ignore[no-untyped-def]
+          out, wtd, b32, total, den, sgn):
     zero = np.float32(0.0)
     one = np.float32(1.0)
     for j in range(m):
@@ -80,10 +80,13 @@ def _tile(base, agents, lo, m, keep_lo, keep_hi, w, elect, normalize, div, scali
     for t in range(len(agents)):  # prune_block, then · w_t: τ · keep · w_t (× 0.0 keeps the sign of zero)
         lt, ht, wt = keep_lo[t], keep_hi[t], w[t]
         at = agents[t]
+        # |τ| = lt is kept at flat indices below cut[t] (exact k; NO_CUT: always): index − first < cut − first
+        room = cut[t] - (np.int64(offset) + np.int64(lo))
         for j in range(m):
             x = _dec(at[lo + j]) - b32[j]
             a = abs(x)
-            wtd[t, j] = (x * (one if (a >= lt and a <= ht) else zero)) * wt
+            inside = (a > lt or (a == lt and np.int64(j) < room)) and a <= ht
+            wtd[t, j] = (x * (one if inside else zero)) * wt
     combine_tile(wtd, b32, lo, m, w, elect, normalize, div, scaling, apply_scaling, out, total, den, sgn)
 
 
@@ -129,10 +132,11 @@ def combine_tile(wtd, b32, lo, m, w, elect, normalize, div, scaling, apply_scali
 
 
 @njit(nogil=True, cache=True)
-def merge_range(base, agents, lo, hi, keep_lo, keep_hi, w, elect, normalize, div, scaling,  # type: ignore[no-untyped-def]
+def merge_range(base, agents, lo, hi, keep_lo, keep_hi, cut, offset, w, elect, normalize, div, scaling,  # type: ignore[no-untyped-def]
                 apply_scaling, out):
     """Elements [lo, hi) of one block: θ₀ + scaling · combine(prune(τ) · w) into out [n]; see gta.py.
-    ``agents``: a tuple of N arrays [n]."""
+    ``agents``: a tuple of N arrays [n]; cut [N] int64 and ``offset`` (the block's first flat index in its
+    tensor): TIES' exact k (methods/_select.TieCut)."""
     n_agents = len(agents)
     wtd = np.empty((n_agents, TILE), dtype=np.float32)
     b32 = np.empty(TILE, dtype=np.float32)
@@ -141,5 +145,5 @@ def merge_range(base, agents, lo, hi, keep_lo, keep_hi, w, elect, normalize, div
     sgn = np.empty(TILE, dtype=np.float32)
     for start in range(lo, hi, TILE):
         m = min(TILE, hi - start)
-        _tile(base, agents, np.uint64(start), np.uint64(m), keep_lo, keep_hi, w, elect, normalize, div, scaling,
-              apply_scaling, out, wtd, b32, total, den, sgn)
+        _tile(base, agents, np.uint64(start), np.uint64(m), keep_lo, keep_hi, cut, np.int64(offset), w, elect,
+              normalize, div, scaling, apply_scaling, out, wtd, b32, total, den, sgn)

@@ -54,9 +54,14 @@ def weight_sum(w: np.ndarray) -> np.float32:
     return np.float32(np.sum(np.asarray(w, dtype=np.float32), dtype=np.float64))
 
 
-def keep_window(absd: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Mask [N, n] of lo_t ≤ |τ_t| ≤ hi_t (lo/hi [N]); ties at either end are kept."""
-    return (absd >= lo.unsqueeze(-1)) & (absd <= hi.unsqueeze(-1))
+def keep_window(absd: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, cut: torch.Tensor | None = None,
+                index: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask [N, n] of lo_t ≤ |τ_t| ≤ hi_t (lo/hi [N]); ties at either end are kept, or with ``cut`` [N] (TIES'
+    exact k) |τ_t| = lo_t only at flat ``index`` [n] < cut_t."""
+    above = absd >= lo.unsqueeze(-1)
+    if cut is not None and index is not None:
+        above = (absd > lo.unsqueeze(-1)) | ((absd == lo.unsqueeze(-1)) & (index < cut.unsqueeze(-1)))
+    return above & (absd <= hi.unsqueeze(-1))
 
 
 def elect_sign(weighted: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,9 @@ class KthLargest:
         self.rank_left = np.zeros(len(streams), dtype=np.int64)
         self.active = np.ones(len(streams), dtype=bool)  # [Q] False once the answer is known (a zero)
         self._result: np.ndarray | None = None
+        self.ranks = np.zeros(len(streams), dtype=np.int64)  # [Q] the ranks asked for (after round 0)
+        self.greater = np.zeros(len(streams), dtype=np.int64)  # [Q] once done: how many values exceed the answer
+        self.equal = np.zeros(len(streams), dtype=np.int64)  # [Q] once done: how many equal it
 
     @property
     def done(self) -> bool:
@@ -106,11 +109,19 @@ class KthLargest:
             if bool((k < 1).any()) or bool((k > hist.sum(-1)).any()):
                 raise ValueError("rank out of range for the number of values streamed")
             digit, self.rank_left = _from_top(hist, k)
+            self.ranks = k
             self.active = ~((digit == 0) & (self.rank_left > counted[:, 0]))  # the rank falls among the zeros
+            zeros = ~self.active  # answered: 0, with every non-zero value above it
+            self.greater = np.where(zeros, k - self.rank_left + counted[:, 0], 0)
+            self.equal = np.where(zeros, counted[:, BINS[0]], 0)
         else:
             hist = np.broadcast_to(self.hist, (len(self.streams), BINS[self.round]))
             digit, self.rank_left = _from_top(hist, np.where(self.active, self.rank_left, 1))
             digit = np.where(self.active, digit, 0)
+            if self.round == ROUNDS - 1:  # the last digit: its bin holds one value, the answer
+                at = hist[np.arange(len(digit)), digit]
+                self.greater = np.where(self.active, self.ranks - self.rank_left, self.greater)
+                self.equal = np.where(self.active, at, self.equal)
         self.prefix = np.where(self.active, (self.prefix << DIGITS[self.round][1]) | digit, 0)
         self.hist = 0
         self.round += 1
@@ -122,3 +133,42 @@ class KthLargest:
         if self._result is None:
             raise RuntimeError("KthLargest.values() before every round was fed")
         return self._result
+
+
+NO_CUT = np.iinfo(np.int64).max  # a cut past every element: every value equal to the threshold is kept
+
+
+class TieCut:
+    """Where to stop keeping a tensor's values equal to a threshold, so that exactly k are kept (TIES' exact top-k).
+
+    Per stream t (an agent), ``need[t]`` of the values with |v| = ``thr[t]`` are to be kept (−1: all of them); the
+    tie-break keeps the first ones in flat order. Fed the tensor's |v| blocks in order, ``cut[t]`` becomes the flat
+    index after the need[t]-th such value: |v| = thr is kept where index < cut. Until a stream's cut is found,
+    ``cut`` is ``NO_CUT``, which is right for every block fed so far (fewer than need[t] ties were in them).
+    """
+
+    def __init__(self, thr: np.ndarray, need: np.ndarray) -> None:
+        self.thr = np.asarray(thr, dtype=np.float32)
+        self.need = np.asarray(need, dtype=np.int64)
+        self.seen = np.zeros(len(self.need), dtype=np.int64)
+        self.cut = np.full(len(self.need), NO_CUT, dtype=np.int64)
+        self.pending = self.need >= 0
+
+    @property
+    def done(self) -> bool:
+        return not bool(self.pending.any())
+
+    def feed(self, start: int, absd: torch.Tensor | np.ndarray) -> None:
+        """|v| [N, n] (float32) of flat elements [start, start + n) of the tensor, blocks in order. A numpy array
+        stays in numpy (the numba path never pages in torch's kernels, ~200 MB of RSS)."""
+        for t in np.flatnonzero(self.pending):
+            eq = absd[t] == np.float32(self.thr[t]) if isinstance(absd, np.ndarray) else absd[t] == float(self.thr[t])
+            count = int(eq.sum())
+            left = int(self.need[t] - self.seen[t])
+            if count >= left:
+                where = np.flatnonzero(eq) if isinstance(eq, np.ndarray) else torch.nonzero(eq)[:, 0]
+                index = int(where[left - 1]) if left > 0 else -1
+                self.cut[t] = start + index + 1
+                self.pending[t] = False
+            else:
+                self.seen[t] += count

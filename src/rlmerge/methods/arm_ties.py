@@ -119,6 +119,6 @@ def _constants(p: ArmTiesParams, prepared: SharedThresholds, ts: TensorStats | N
 METHODS = [
     MethodSpec("arm-ties", "the RAM authors' arm-ties: unique elements kept, TIES on the shared region per tensor",
                PAPER, "tensor-local", ArmTiesParams, rule=arm_ties_rule, constants=_constants,
-               needs_stats=lambda p: True, observer=lambda p, n: SharedThresholds(p, n),
+               needs_stats=lambda p: True, observer=lambda p, n, at=None: SharedThresholds(p, n),
                prepare=lambda p, stats, n: stats.observed),  # type: ignore[union-attr]
 ]

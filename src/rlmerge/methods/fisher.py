@@ -17,13 +17,13 @@ from ..errors import ConfigError
 from ..params import check_range
 from ..stats import Statistics
 from .spec import BlockContext, MethodSpec
-from .task_arithmetic import agent_weights
+from .task_arithmetic import Weights, agent_weights, each_weight
 
 
 @dataclass(frozen=True)
 class FisherParams:
     fisher: tuple[str, ...] = ()  # one Fisher folder per agent, in agent order
-    weights: tuple[float, ...] | None = None  # the authors' merging coefficients
+    weights: Weights = None  # the authors' merging coefficients (one value, or one per agent)
     floor: float = 1e-6  # the authors' fisher_floor: no element has zero weight
     normalize: bool = False  # divide each F_t by its whole-model L2 norm
 
@@ -32,7 +32,7 @@ class FisherParams:
             raise ConfigError("fisher: no Fisher files given (parameter fisher=F1,F2,...)",
                               hint="estimate one per agent with `rlmerge fisher AGENT --data prompts.jsonl -o F`")
         check_range("fisher", "floor", self.floor, 0.0, 1.0, lo_open=True)
-        for w in self.weights or ():
+        for w in each_weight(self.weights):
             check_range("fisher", "weight", w, 0.0, 10.0)
 
 
@@ -76,7 +76,7 @@ def _merge(base: torch.Tensor, deltas: torch.Tensor, params: FisherParams, ctx: 
 METHODS = [
     MethodSpec("fisher", "Fisher merging: average weighted by each agent's diagonal Fisher", "arXiv:2111.09832",
                "elementwise", FisherParams, _merge, prepare=_prepare,
-               observer=lambda p, n: FisherNorms(n) if p.normalize else None,
+               observer=lambda p, n, at=None: FisherNorms(n) if p.normalize else None,
                extra_inputs=lambda p: p.fisher, epsilon=lambda p: 1e-5),
 ]
 

@@ -16,6 +16,7 @@ block size gives the same bytes. Random drops use ``_ops.uniform``: seeded per (
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,9 +28,9 @@ from ..params import check_range
 from ..stats import Statistics
 from ._l1 import LaneSum, l1_factors
 from ._ops import agree, combine, elect_sign, keep_window, row_length, row_ranks, uniform, weight_sum
-from ._select import ROUNDS, KthLargest
+from ._select import ROUNDS, KthLargest, TieCut
 from .spec import BlockContext, MethodSpec
-from .task_arithmetic import agent_weights
+from .task_arithmetic import Weights, agent_weights, each_weight
 
 Prune = Literal["magnitude", "magnitude-global", "random", "outliers", "magprune"]
 Rescale = Literal["inverse", "l1", "none"]
@@ -102,20 +103,28 @@ def _each(value: PerAgent) -> tuple[float, ...]:
     return value if isinstance(value, tuple) else (value,)
 
 
-def _common_checks(where: str, weights: tuple[float, ...] | None, scaling: float) -> None:
+def _common_checks(where: str, weights: Weights, scaling: float) -> None:
     check_range(where, "scaling", scaling, -10.0, 10.0)
-    for w in weights or ():
+    for w in each_weight(weights):
         check_range(where, "weight", w, -10.0, 10.0)
+
+
+TieBreak = Literal["index", "keep-all"]
 
 
 @dataclass(frozen=True)
 class TiesParams:
-    """TIES: keep the top ``density`` fraction of |τ| (the paper's k; RAM paper grid 0.1/0.2/0.3)."""
+    """TIES: keep the top ``density`` fraction of |τ| (the paper's k; RAM paper grid 0.1/0.2/0.3).
+
+    tie_break: ``index`` keeps exactly k per tensor, the values equal to the threshold first in flat order
+    (``ties``' default: mergekit's and the paper's count); ``keep-all`` keeps every value equal to the threshold
+    (``ties_global``'s, the TIES authors' ``topk_values_mask``; more than k where |τ| values tie, as in bf16)."""
 
     density: PerAgent = 0.2
-    weights: tuple[float, ...] | None = None
+    weights: Weights = None
     normalize: bool | None = None  # None: the preset's (disjoint mean)
     scaling: float = 1.0  # the paper's λ (mergekit ``lambda``)
+    tie_break: TieBreak | None = None  # None: the method's (ties: index, ties_global: keep-all)
 
     def __post_init__(self) -> None:
         for d in _each(self.density):
@@ -134,7 +143,7 @@ class DareParams:
     p: PerAgent | None = None  # drop rate; default 0.9 (the DARE paper's setting for LLMs)
     density: PerAgent | None = None  # mergekit's name: keep probability = 1 − p
     rescale: Rescale = "inverse"
-    weights: tuple[float, ...] | None = None
+    weights: Weights = None
     normalize: bool | None = None
     scaling: float = 1.0
 
@@ -160,7 +169,7 @@ class BreadcrumbsParams:
 
     density: PerAgent = 0.9
     gamma: PerAgent = 0.01
-    weights: tuple[float, ...] | None = None
+    weights: Weights = None
     normalize: bool | None = None
     scaling: float = 1.0
 
@@ -179,22 +188,29 @@ class DellaParams:
     density: PerAgent = 0.7
     epsilon: PerAgent = 0.15  # mergekit's default; density ± ε must stay inside (0, 1)
     rescale: Rescale = "inverse"  # inverse: 1/p_i per element (the paper); l1: mergekit's
-    weights: tuple[float, ...] | None = None
+    weights: Weights = None
     normalize: bool | None = None
     scaling: float = 1.0
 
     def __post_init__(self) -> None:
         for d in _each(self.density):
-            check_range("della", "density", d, 0.0, 1.0, lo_open=True, hi_open=True)
+            check_range("della", "density", d, 0.0, 1.0, lo_open=True)
         for e in _each(self.epsilon):
             check_range("della", "epsilon", e, 0.0, 0.5, hi_open=True)
         dens, eps = _each(self.density), _each(self.epsilon)
         for d in dens:
             for e in eps:
-                if d - e <= 0 or d + e >= 1:
+                if d < 1.0 and (d - e <= 0 or d + e >= 1):  # density 1 keeps everything (mergekit: no pruning)
                     raise ConfigError(f"della: density ± epsilon = {d} ± {e} leaves (0, 1)",
                                       hint="choose epsilon < min(density, 1 − density)")
         _common_checks("della", self.weights, self.scaling)
+
+
+def magprune_epsilon(params: Any, n: int) -> tuple[float, ...]:
+    """MagPrune's ε per agent, 0 for an agent with density 1: every element is kept (p = 1), as mergekit does."""
+    dens = per_agent(params.density, n, "della", "density")
+    eps = per_agent(getattr(params, "epsilon", 0.0), n, "della", "epsilon")
+    return tuple(0.0 if d >= 1.0 else e for d, e in zip(dens, eps))
 
 
 # -- the statistics pass: thresholds and L1 factors ------------------------------------------------------------
@@ -223,11 +239,19 @@ def _ranks(prune: Prune, numel: int, density: float, gamma: float) -> tuple[int 
 class GtaObserver:
     """Collects what a preset needs from the statistics pass; becomes the method's ``prepared`` constants."""
 
-    def __init__(self, preset: Preset, params: Any, n: int) -> None:
+    def __init__(self, preset: Preset, params: Any, n: int, at: Callable[[str], Any] | None = None) -> None:
         self.preset, self.params, self.n = preset, params, n
-        self.density = per_agent(params.density, n, "gta", "density")
+        self.at = at if at is not None else (lambda name: params)  # each tensor's parameters
+        self.density = per_agent(params.density, n, "gta", "density")  # the whole model's (ties_global)
         self.gamma = per_agent(getattr(params, "gamma", 0.0), n, "gta", "gamma")
         self.bounds: dict[str, np.ndarray] = {}  # tensor → [2, N] float32 (lo, hi) on |τ|
+        self.cuts: dict[str, np.ndarray] = {}  # tensor → [N] int64: |τ| = lo kept below this flat index (exact k)
+        self.kept: dict[str, np.ndarray] = {}  # tensor ("": the whole model) → [N] non-zero τ kept (−1: untrimmed)
+        # exact k (TIES' tie_break = index): the ties at the threshold are cut in flat order, found by one more stream
+        # of the tensor in the statistics pass (torch) or while merging it (the numba path sets this False)
+        self.exact = preset.prune == "magnitude" and getattr(params, "tie_break", None) in (None, "index")
+        self.stream_cuts = True
+        self.cut: TieCut | None = None  # the cut being found for the current tensor
         self.l1: dict[str, np.ndarray] = {}  # tensor → [N] float32 rescale factors
         self.warnings: tuple[str, ...] = ()
         self._sel: KthLargest | None = None
@@ -243,8 +267,22 @@ class GtaObserver:
             return 1
         if self.preset.prune == "magnitude-global":
             return ROUNDS
-        own = any(r for t in range(self.n) for r in _ranks(self.preset.prune, numel, self.density[t], self.gamma[t]))
-        return ROUNDS if own and not numba else 1
+        return ROUNDS + int(self.exact) if self.selects(name, numel) and not numba else 1
+
+    def density_of(self, name: str) -> tuple[float, ...]:
+        """The keep densities of tensor ``name``, per agent."""
+        return per_agent(self.at(name).density, self.n, "gta", "density")
+
+    def gamma_of(self, name: str) -> tuple[float, ...]:
+        return per_agent(getattr(self.at(name), "gamma", 0.0), self.n, "gta", "gamma")
+
+    def ranks(self, name: str, numel: int) -> list[tuple[int | None, int | None]]:
+        """Per agent, the ranks of tensor ``name``'s window bounds (``_ranks``)."""
+        return [_ranks(self.preset.prune, numel, d, g) for d, g in zip(self.density_of(name), self.gamma_of(name))]
+
+    def selects(self, name: str, numel: int) -> bool:
+        """Whether tensor ``name`` needs thresholds of its own (per-tensor presets with a density below 1)."""
+        return self.preset.prune != "magnitude-global" and any(r for rs in self.ranks(name, numel) for r in rs)
 
     @property
     def needs_selection(self) -> bool:
@@ -258,6 +296,9 @@ class GtaObserver:
         numel = math.prod(ctx.shape)
         if ctx.start == 0 and ctx.name != self._name:
             self.begin_tensor(ctx.name, numel)
+        if self.cut is not None:  # the stream after the selection: where the ties at the threshold stop
+            self.cut.feed(ctx.start, deltas.abs())
+            return
         if self.needs_selection and self._sel is not None:
             if self._sel.round == 0 and self.preset.prune == "magnitude-global":
                 self._global_numel += ctx.stop - ctx.start
@@ -282,6 +323,7 @@ class GtaObserver:
 
     def begin_tensor(self, name: str, numel: int) -> None:
         self._name = name
+        self.cut = None
         for acc in self._l1_acc:
             acc.reset()
         if self.preset.prune == "magnitude-global":
@@ -291,17 +333,16 @@ class GtaObserver:
         if not self.needs_selection:
             return
         self._queries = []
-        for t in range(self.n):
-            lo, hi = _ranks(self.preset.prune, numel, self.density[t], self.gamma[t])
+        ranks = self.ranks(name, numel)
+        for t, (lo, hi) in enumerate(ranks):
             self._queries += [(t, side, r) for side, r in ((0, lo), (1, hi)) if r]  # rank 0: keep nothing
         streams = [q[0] for q in self._queries]
         self._sel = KthLargest(n_streams=self.n, streams=streams) if streams else None
-        self.bounds[name] = self._default_bounds(numel)
+        self.bounds[name] = self._default_bounds(ranks)
 
-    def _default_bounds(self, numel: int) -> np.ndarray:
+    def _default_bounds(self, ranks: list[tuple[int | None, int | None]]) -> np.ndarray:
         b = np.array([[0.0] * self.n, [INF] * self.n], dtype=np.float32)
-        for t in range(self.n):
-            lo, _ = _ranks(self.preset.prune, numel, self.density[t], self.gamma[t])
+        for t, (lo, _) in enumerate(ranks):
             if lo == 0:
                 b[0, t], b[1, t] = INF, -1.0  # an empty window
         return b
@@ -311,6 +352,11 @@ class GtaObserver:
         if name is not None and self.needs_l1:
             self.l1[name] = l1_factors(self._l1_acc[0].total, self._l1_acc[1].total)
         global_ = self.preset.prune == "magnitude-global"
+        if name is None and self.cut is not None:
+            return False
+        if name is not None and self.cut is not None:  # the cut stream is over
+            self.cuts[name], self.cut = self.cut.cut, None
+            return False
         if (name is None) != global_ or self._sel is None:
             return False
         sel = self._sel
@@ -326,15 +372,60 @@ class GtaObserver:
         if global_:
             lo = np.where(np.array(self.density) >= 1.0, np.float32(0.0), values).astype(np.float32)
             self.bounds[""] = np.stack([lo, np.full_like(lo, INF)])
+            self.kept[""] = np.where(np.array(self.density) >= 1.0, -1, _kept(values, sel, None))
         else:
             for (t, side, _), v in zip(self._queries, values.tolist()):
                 self.bounds[name][side, t] = v  # type: ignore[index]
+            self._finish_ranks(name, values, sel)  # type: ignore[arg-type]
         self._sel = None
-        return False
+        return self.cut is not None and self.stream_cuts
+
+    def _finish_ranks(self, name: str, values: np.ndarray, sel: KthLargest) -> None:
+        """After a tensor's selection: the non-zero τ each agent keeps and, for exact k, the ties to cut."""
+        if self.preset.prune != "magnitude":
+            return
+        need = np.full(self.n, -1, dtype=np.int64)
+        kept = np.full(self.n, -1, dtype=np.int64)
+        agents = [t for t, _, _ in self._queries]
+        if self.exact:  # keep need = k − (values above the threshold) of the ties; all when that is every tie
+            short = (values > 0) & (sel.ranks - sel.greater < sel.equal)
+            need[agents] = np.where(short, sel.ranks - sel.greater, -1)
+        kept[agents] = _kept(values, sel, need[agents] if self.exact else None)
+        self.kept[name] = kept
+        if (need >= 0).any():
+            self.cut = TieCut(self.bounds[name][0], need)
+
+    def cuts_of(self, name: str) -> np.ndarray | None:
+        """[N] int64: |τ_t| equal to the lower bound is kept below flat index cut_t (None: every such value)."""
+        return self.cuts.get(name)
+
+    def kept_fraction(self, stats: Any) -> list[float] | None:
+        """Per agent, the non-zero τ the trim kept over the elements merged (an untrimmed tensor, density 1,
+        counts its changed elements, |τ| > ε); None for the presets that do not trim by magnitude."""
+        if self.preset.prune not in ("magnitude", "magnitude-global") or not stats.tensors:
+            return None
+        kept = np.zeros(self.n, dtype=np.int64)
+        numel = 0
+        whole = self.kept.get("")
+        for name, ts in stats.tensors.items():
+            own = whole if whole is not None else self.kept.get(name)
+            untrimmed = ts.changed if own is None else np.where(own < 0, ts.changed, 0)
+            kept += untrimmed + (0 if own is None or whole is not None else np.maximum(own, 0))
+            numel += ts.numel
+        if whole is not None:
+            kept += np.maximum(whole, 0)
+        return (kept / max(numel, 1)).tolist()
 
     def window(self, name: str) -> np.ndarray:
         """[2, N] float32: keep |τ_t| in [lo_t, hi_t]."""
         return self.bounds[""] if self.preset.prune == "magnitude-global" else self.bounds[name]
+
+
+def _kept(values: np.ndarray, sel: KthLargest, need: np.ndarray | None) -> np.ndarray:
+    """Non-zero values kept per query: those above the threshold, and the ties kept (all, or ``need`` of them; none
+    when the threshold is 0)."""
+    ties = sel.equal if need is None else np.where(need >= 0, need, sel.equal)
+    return np.where(values > 0, sel.greater + ties, sel.greater)
 
 
 # -- the merge pass -----------------------------------------------------------------------------------------------
@@ -345,14 +436,18 @@ def prune_block(preset: Preset, obs: GtaObserver, deltas: torch.Tensor,
     numel = math.prod(ctx.shape)
     if preset.prune in ("magnitude", "magnitude-global", "outliers"):
         lo, hi = torch.from_numpy(obs.window(ctx.name)).to(deltas.device)
-        return deltas * keep_window(deltas.abs(), lo, hi), None
+        cuts = obs.cuts_of(ctx.name)
+        if cuts is None:
+            return deltas * keep_window(deltas.abs(), lo, hi), None
+        index = torch.arange(ctx.start, ctx.stop, device=deltas.device)
+        return deltas * keep_window(deltas.abs(), lo, hi, torch.from_numpy(cuts).to(deltas.device), index), None
     u = torch.stack([uniform(ctx.seed, t, ctx.name, numel, ctx.start, ctx.stop) for t in range(n_agents)])
     u = u.to(deltas.device)
-    dens = torch.tensor(obs.density, dtype=torch.float32, device=deltas.device).unsqueeze(-1)  # [N, 1]
+    dens = torch.tensor(obs.density_of(ctx.name), dtype=torch.float32, device=deltas.device).unsqueeze(-1)  # [N, 1]
     if preset.prune == "random":
         prob = dens.expand(n_agents, n)
     else:  # magprune: p_i = density − ε + 2ε · (rank of |τ_i| in its row, normalised to [0, 1])
-        eps = torch.tensor(per_agent(obs.params.epsilon, n_agents, "della", "epsilon"),
+        eps = torch.tensor(magprune_epsilon(obs.at(ctx.name), n_agents),
                            dtype=torch.float32, device=deltas.device).unsqueeze(-1)
         prob = (dens - eps) + row_ranks(deltas.abs(), row_length(ctx.shape)) * (2 * eps)
     keep = u < prob
@@ -380,8 +475,8 @@ def _merge(name: str, preset: Preset, base: torch.Tensor, deltas: torch.Tensor, 
 
 
 def _observer(preset: Preset) -> Any:
-    def make(params: Any, n: int) -> GtaObserver | None:
-        obs = GtaObserver(preset, params, n)
+    def make(params: Any, n: int, at: Callable[[str], Any] | None = None) -> GtaObserver | None:
+        obs = GtaObserver(preset, params, n, at)
         return obs if (obs.needs_selection or obs.needs_l1) else None
     return make
 
@@ -401,7 +496,23 @@ def _spec(name: str, params: type) -> MethodSpec:
         name, preset.summary, preset.paper, scope, params,  # type: ignore[arg-type]
         lambda b, d, p, c: _merge(name, preset, b, d, p, c),
         prepare=_prepare(preset), observer=_observer(preset), sparsify=preset,
-        row_blocks=lambda p: preset.prune == "magprune", epsilon=lambda p: 1e-5)
+        row_blocks=lambda p: preset.prune == "magprune", epsilon=lambda p: 1e-5,
+        per_tensor=lambda p: _per_tensor(preset, p), check=lambda p, n: _check_tie_break(name, preset, p))
+
+
+def _check_tie_break(name: str, preset: Preset, p: Any) -> None:
+    if preset.prune == "magnitude-global" and getattr(p, "tie_break", None) == "index":
+        raise ConfigError(f"{name}: tie_break = index is not available for a whole-model threshold",
+                          hint="ties_global keeps every |τ| equal to its threshold (the TIES authors' rule); use "
+                               "ties for an exact k per tensor")
+
+
+def _per_tensor(preset: Preset, p: Any) -> tuple[str, ...]:
+    """What may vary per tensor: the weights and λ; the keep density and its companions unless the threshold is the
+    whole model's (ties_global)."""
+    names = ("weights", "scaling") if preset.prune == "magnitude-global" else (
+        "weights", "scaling", "density", "p", "gamma", "epsilon")
+    return tuple(n for n in names if hasattr(p, n))
 
 
 METHODS = [

@@ -12,6 +12,7 @@ come from the statistics pass (float64 sums), so the merge pass is elementwise: 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,9 +65,10 @@ def _check_agents(params: SlerpParams, n: int) -> None:
 
 
 class SlerpObserver:
-    def __init__(self, params: SlerpParams, n: int) -> None:
+    def __init__(self, params: SlerpParams, n: int, at: Callable[[str], Any] | None = None) -> None:
         _check_agents(params, n)
         self.params = params
+        self.at = at if at is not None else (lambda name: params)  # each tensor's t (a recipe's gradient)
         self.coef: dict[str, tuple[float, float]] = {}
         self._acc = [0.0, 0.0, 0.0]
 
@@ -80,7 +82,7 @@ class SlerpObserver:
 
     def again(self, name: str | None) -> bool:
         if name is not None:
-            self.coef[name] = coefficients(self.params, *self._acc)
+            self.coef[name] = coefficients(self.at(name), *self._acc)
         return False
 
 
@@ -95,12 +97,12 @@ def _merge(base: torch.Tensor, deltas: torch.Tensor, params: SlerpParams, ctx: B
     return base + out if (deltas.shape[0] == 2 and params.space == "task_vectors") else out
 
 
-def _observer(params: Any, n: int) -> SlerpObserver:
-    return SlerpObserver(params, n)
+def _observer(params: Any, n: int, at: Callable[[str], Any] | None = None) -> SlerpObserver:
+    return SlerpObserver(params, n, at)
 
 
 METHODS = [
     MethodSpec("slerp", "spherical interpolation between two models, per tensor", "Shoemake 1985 (mergekit slerp)",
                "tensor-local", SlerpParams, _merge, prepare=_prepare, observer=_observer, epsilon=lambda p: 1e-5,
-               check=_check_agents),
+               check=_check_agents, per_tensor=lambda p: ("t",)),
 ]

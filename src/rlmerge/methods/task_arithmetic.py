@@ -18,18 +18,25 @@ from ._ops import weight_sum
 from .rule import Expr, Terms
 from .spec import MethodSpec
 
+Weights = float | tuple[float, ...] | None  # one value for every agent, or one per agent; None: all 1
 
-def _check_weights(where: str, weights: tuple[float, ...] | None) -> None:
-    if weights is None:
-        return
-    for w in weights:
+
+def each_weight(weights: Weights) -> tuple[float, ...]:
+    """The weights given (one value stands for every agent)."""
+    return () if weights is None else weights if isinstance(weights, tuple) else (weights,)
+
+
+def _check_weights(where: str, weights: Weights) -> None:
+    for w in each_weight(weights):
         check_range(where, "weight", w, -10.0, 10.0)
 
 
-def agent_weights(where: str, weights: tuple[float, ...] | None, n: int) -> np.ndarray:
-    """[N] float32 weights; all 1 when not given."""
+def agent_weights(where: str, weights: Weights, n: int) -> np.ndarray:
+    """[N] float32 weights; all 1 when not given, all w when one value w is given."""
     if weights is None:
         return np.ones(n, dtype=np.float32)
+    if not isinstance(weights, tuple):
+        return np.full(n, weights, dtype=np.float32)
     if len(weights) != n:
         raise ConfigError(f"{where}: {len(weights)} weight(s) given for {n} agent(s)",
                           hint="give one weight per agent, in the order the agents are listed")
@@ -41,7 +48,7 @@ class TaskArithmeticParams:
     """θ = θ₀ + scaling · Σ_t w_t τ_t (divided by Σ w_t when ``normalize``)."""
 
     scaling: float = 1.0  # the paper's λ; the RAM paper's grid is 0.1 … 1.0
-    weights: tuple[float, ...] | None = None
+    weights: Weights = None
     normalize: bool = False
 
     def __post_init__(self) -> None:
@@ -53,7 +60,7 @@ class TaskArithmeticParams:
 class LinearParams:
     """θ = Σ_t w_t θ_t / Σ_t w_t (the plain average of the agents when all w_t = 1)."""
 
-    weights: tuple[float, ...] | None = None
+    weights: Weights = None
     normalize: bool = True
 
     def __post_init__(self) -> None:
@@ -105,7 +112,8 @@ def _check(where: str) -> Callable[[TaskArithmeticParams | LinearParams, int], N
 METHODS = [
     MethodSpec("task_arithmetic", "base + scaling × the (weighted) sum of task vectors", "arXiv:2212.04089",
                "elementwise", TaskArithmeticParams, rule=ta_rule, constants=_constants("task_arithmetic"),
-               check=_check("task_arithmetic")),
+               check=_check("task_arithmetic"), per_tensor=lambda p: ("weights", "scaling")),
     MethodSpec("linear", "weighted average of the agents' weights", "arXiv:2203.05482", "elementwise",
-               LinearParams, rule=linear_rule, constants=_constants("linear"), check=_check("linear")),
+               LinearParams, rule=linear_rule, constants=_constants("linear"), check=_check("linear"),
+               per_tensor=lambda p: ("weights",), task_vectors=False),
 ]

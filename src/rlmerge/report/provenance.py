@@ -50,6 +50,8 @@ def agent_rows(result: MergeResult) -> list[dict[str, Any]]:
                        density=float(stats.changed[t]) / numel, rho=num(stats.rho[t]))
         if result.lambdas is not None:
             row["lambda"] = float(result.lambdas[t])
+        if result.kept is not None:
+            row["kept"] = float(result.kept[t])  # what TIES' trim kept: the count k, not the change density
         rows.append(row)
     return rows
 
@@ -72,6 +74,10 @@ def provenance(match: Match, result: MergeResult, recipe: Mapping[str, Any] | No
         "missing_tensors_allowed": match.missing,
         "warnings": result.warnings,
     }
+    if result.per_tensor:  # a recipe's gradients and filters: "parameters" holds what no tensor overrides
+        doc["per_tensor_parameters"] = dict(result.per_tensor)
+    if result.defaults:
+        doc["defaults_applied"] = list(result.defaults)
     return doc
 
 
@@ -83,16 +89,23 @@ def model_card(match: Match, result: MergeResult) -> str:
              f"Base model: `{match.base.label}`. Agents merged: {len(match.agents)}.", ""]
     params = dataclasses.asdict(result.params) if dataclasses.is_dataclass(result.params) else {}
     if params:
-        lines += ["Parameters: " + ", ".join(f"`{k}={v}`" for k, v in params.items()), ""]
+        shown = {k: ("per tensor" if k in result.per_tensor else v) for k, v in params.items()}
+        lines += ["Parameters: " + ", ".join(f"`{k}={v}`" for k, v in shown.items()), ""]
+    if result.per_tensor:
+        lines += ["Per tensor (the recipe's gradients over the layers and filters on tensor names, as mergekit):",
+                  *(f"- `{k}`: {v}" for k, v in result.per_tensor.items()), ""]
+    if result.defaults:
+        lines += ["Defaults applied (mergekit's, for a recipe in its layout):", *(f"- {d}" for d in result.defaults),
+                  ""]
     rows = agent_rows(result)
-    cols = [c for c in ("agent", "density", "changed", "unique", "shared", "rho", "lambda") if c in rows[0]]
+    cols = [c for c in ("agent", "density", "kept", "changed", "unique", "shared", "rho", "lambda") if c in rows[0]]
     lines += ["| " + " | ".join("ρ" if c == "rho" else "λ" if c == "lambda" else c for c in cols) + " |",
               "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
         for c in cols:
             v = r[c]
-            cells.append(f"{v:.2%}" if c == "density" else f"{v:.4f}" if isinstance(v, float) else f"{v}")
+            cells.append(f"{v:.2%}" if c in ("density", "kept") else f"{v:.4f}" if isinstance(v, float) else f"{v}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Elements counted: {result.statistics.numel:,} (changed means |τ| > {result.statistics.epsilon:g}).",
               "Provenance (inputs, file hashes, parameters): `rlmerge.json`.", ""]
