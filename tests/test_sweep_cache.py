@@ -93,7 +93,9 @@ def test_ram_plus_candidates_read_one_statistics_pass_and_one_merge_pass_each(ex
 def test_ties_reads_a_round_less_with_cached_histograms_and_once_with_cached_thresholds(
         example, tmp_path: Path, monkeypatch) -> None:
     """Density 0.1, then 0.3 (round 0 from the cache), then 0.3 with another scaling (thresholds from the cache):
-    a tensor larger than a block is read ROUNDS + 1, ROUNDS, then 1 time(s); one that fits, once."""
+    a tensor larger than a block is read ROUNDS + 1, ROUNDS, then 1 time(s); one that fits, once. That is TIES
+    with ``tie_break: keep-all``; with the default exact k the window alone does not say which tied values are
+    kept, so the third merge reuses the round-0 histogram but runs its rounds again (ROUNDS reads)."""
     monkeypatch.setenv("RLMERGE_FAST", "1")
     base, agents = example
     _, per, copies = pass_bytes(base, agents)
@@ -101,14 +103,18 @@ def test_ties_reads_a_round_less_with_cached_histograms_and_once_with_cached_thr
     big = {n: b for n, (b, numel) in per.items() if numel > block}
     small = sum(b for n, (b, numel) in per.items() if numel <= block)
     assert big and small
-    cache = StatsCache()
-    reads = []
-    for params in ({"density": 0.1}, {"density": 0.3}, {"density": 0.3, "scaling": 0.7}):
-        res = rlmerge.merge(base, agents, tmp_path / f"out{len(reads)}", method="ties", params=params,
-                            block_size=BLOCK, cache=cache)
-        reads.append(res.read_bytes - copies - small)
-    assert reads == [(ROUNDS + 1) * sum(big.values()), ROUNDS * sum(big.values()), sum(big.values())]
-    assert cache.hits["hist0"] == len(per) and cache.hits["bounds"] == len(per)
+    for tie_break, last in (("keep-all", 1), ("index", ROUNDS)):
+        cache = StatsCache()
+        reads = []
+        for params in ({"density": 0.1}, {"density": 0.3}, {"density": 0.3, "scaling": 0.7}):
+            res = rlmerge.merge(base, agents, tmp_path / f"{tie_break}{len(reads)}", method="ties",
+                                params={**params, "tie_break": tie_break}, block_size=BLOCK, cache=cache)
+            reads.append(res.read_bytes - copies - small)
+        assert reads == [(ROUNDS + 1) * sum(big.values()), ROUNDS * sum(big.values()), last * sum(big.values())]
+        if tie_break == "keep-all":
+            assert cache.hits["hist0"] == len(per) and cache.hits["bounds"] == len(per)
+        else:  # the second and third merges start from the cached histogram; no window is reused
+            assert cache.hits["hist0"] == 2 * len(per) and cache.hits["bounds"] == 0
 
 
 def test_a_cache_kept_in_a_sweep_folder_serves_the_next_run(example, tmp_path: Path) -> None:

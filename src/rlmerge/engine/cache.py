@@ -196,7 +196,11 @@ class CacheView:
         return all(self.window(observer, n) is not None for n in names)
 
     def window(self, obs: GtaObserver, name: str) -> np.ndarray | None:
-        """[2, N] float32: the cached |τ| window of tensor ``name`` ("": the whole model) for ``obs``'s selection."""
+        """[2, N] float32: the cached |τ| window of tensor ``name`` ("": the whole model) for ``obs``'s selection.
+        None for an exact-k selection (TIES' tie_break = index): the window alone does not say which of the values
+        tied at its threshold are kept, so such a selection runs its rounds (from the cached round-0 histogram)."""
+        if getattr(obs, "exact", False):
+            return None
         gid = _h(self.key, "bounds", selection_key(obs))
         if not self._has(gid, name):
             return None
@@ -248,14 +252,20 @@ class CacheView:
         """Give a selection's observer the cached windows (what its statistics pass would have found)."""
         if not isinstance(obs, GtaObserver):
             return
+        kept = _h(self.key, "kept", selection_key(obs))
         for name in ("", *(j.name for j in jobs)):
             w = self.window(obs, name)
             if w is not None:
                 obs.bounds[name] = w
                 self.used("bounds")
+                if self._has(kept, name):  # what the trim kept: the merge's `kept` column
+                    obs.kept[name] = np.array(self.cache.get(kept, name), dtype=np.int64)
 
     def put_observer(self, obs: Any) -> None:
         """Keep the windows a statistics pass found (per tensor, or "" for the whole model)."""
         if isinstance(obs, GtaObserver) and obs.needs_selection and not obs.needs_l1:
             for name, w in obs.bounds.items():
                 self.put_window(obs, name, w)
+            key = selection_key(obs)
+            for name, k in obs.kept.items():
+                self.cache.put(_h(self.key, "kept", key), "kept", {"selection": key}, name, np.array(k, dtype=np.int64))

@@ -153,11 +153,12 @@ class Parsed:
     plain: Mapping[str, Any] = field(default_factory=dict)
     schedule: Mapping[str, PerTensor] = field(default_factory=dict)
 
-    def bind(self, positions: Mapping[str, float], n: int) -> tuple[Callable[[str], Any], list[RLMergeError]]:
+    def bind(self, positions: Mapping[str, float], n: int) -> tuple[Callable[[str], Any] | None, list[RLMergeError]]:
         """(tensor name → its parameters, problems): the schedule resolved for every tensor of ``positions``
-        (name → t, schedule.layer_positions), each tensor's parameters checked as ``params`` are."""
+        (name → t, schedule.layer_positions), each tensor's parameters checked as ``params`` are. None without a
+        schedule: every tensor has ``params`` (and a sweep's statistics cache, keyed by one parameter set, applies)."""
         if not self.schedule:
-            return (lambda name: self.params), []
+            return None, []
         where = f"method {self.spec.name!r}"
         by_values: dict[tuple[Any, ...], Any] = {}
         by_tensor: dict[str, Any] = {}
