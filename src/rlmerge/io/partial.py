@@ -394,16 +394,8 @@ class PartialDir:
         return self
 
     def _lock(self) -> None:
-        fd = os.open(self.tmp / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        self._lock_fd = fd
-        if fcntl is None:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._unlock()
-            raise OutputError("another rlmerge run is writing this output right now", file=str(self.output),
-                              hint="wait for it to finish, or choose another -o") from None
+        self._lock_fd = fd = take_lock(self.tmp / LOCK, "another rlmerge run is writing this output right now",
+                                       self.output)
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
 
@@ -577,6 +569,20 @@ def reopen_file(folder: Path, name: str) -> Any:
     """A file of ours in ``folder``, open for reading and writing at its start (never through a link)."""
     fd = os.open(folder / name, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
     return os.fdopen(fd, "r+b")
+
+
+def take_lock(path: Path, busy: str, owner: Path) -> int:
+    """An exclusive ``flock`` on ``path`` (created, never through a symlink): its descriptor, which releases the lock
+    when closed. OutputError ``busy`` (naming ``owner``) when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    if fcntl is None:
+        return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OutputError(busy, file=str(owner), hint="wait for it to finish, or choose another -o") from None
+    return fd
 
 
 def _rename_noreplace(src: Path, dst: Path) -> None:

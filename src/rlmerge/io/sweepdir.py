@@ -31,12 +31,17 @@ import numpy as np
 
 from ..errors import OutputError, RLMergeError, raise_all
 from .checkpoint import Checkpoint
-from .partial import _overlap, _remove_ours, _roots, create_file, disk_error, file_crc32, not_ours, target
-
-try:
-    import fcntl
-except ImportError:  # Windows: no flock
-    fcntl = None  # type: ignore[assignment]
+from .partial import (
+    _overlap,
+    _remove_ours,
+    _roots,
+    create_file,
+    disk_error,
+    file_crc32,
+    not_ours,
+    take_lock,
+    target,
+)
 
 MANIFEST = "rlmerge-sweep.json"
 SCHEMA = "rlmerge.sweep-folder"
@@ -136,16 +141,7 @@ class SweepDir:
         self._unlock()
 
     def _lock(self) -> None:
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        self._lock_fd = fd
-        if fcntl is None:
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._unlock()
-            raise OutputError("another rlmerge sweep is writing this folder right now", file=str(self.path),
-                              hint="wait for it to finish, or choose another -o") from None
+        self._lock_fd = take_lock(self.path / LOCK, "another rlmerge sweep is writing this folder right now", self.path)
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
