@@ -181,9 +181,9 @@ def _statistics_task(req: _Request, names: list[str]) -> tuple[dict[str, TensorS
 @ray.remote
 def _merge_task(req: _Request, shard_ids: list[int], expected: list[str], prepared: Any, observer: Any,
                 tensor_stats: dict[str, TensorStats], collect: bool, output: str, tmp: str, metadata: dict[str, str],
-                fsync: bool) -> tuple[list[tuple[str, int, int]], dict[str, TensorStats], int]:
+                fsync: bool) -> tuple[list[tuple[str, int, int]], dict[str, TensorStats], int, dict[str, Any]]:
     """Write shards ``shard_ids`` into the partial folder ``tmp``: ((file, bytes, CRC-32) of each, counts, bytes
-    read)."""
+    read, what a trim kept per tensor: the observer's ``kept``, for the merge table's kept column)."""
     pf = req.open()
     try:
         assert pf.match is not None and pf.spec is not None
@@ -212,7 +212,8 @@ def _merge_task(req: _Request, shard_ids: list[int], expected: list[str], prepar
         finally:
             if fast is not None and fast.fast is not None:
                 fast.fast.close()
-        return files.records, (stats.tensors if collect else {}), run.read_bytes
+        return (files.records, (stats.tensors if collect else {}), run.read_bytes,
+                dict(getattr(run.observer, "kept", None) or {}))
     finally:
         pf.close()
 
@@ -288,8 +289,12 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
         counted: dict[str, TensorStats] = {}
         nxt = [kept]
 
+        trimmed = observer if observer is not None else spec.observer(p, len(match.agents))
+
         def finished(i: int, value: Any) -> None:
-            records, tensors, nbytes = value
+            records, tensors, nbytes, kept_counts = value
+            if trimmed is not None and hasattr(trimmed, "kept"):
+                trimmed.kept.update(kept_counts)
             for shard, rec in zip(todo[i], records):
                 done[shard] = rec
             counted.update(tensors)
@@ -312,7 +317,9 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
             stats.tensors = {j.name: counted[j.name] for j in match.merge_jobs}  # job order, as a local merge
             if view is not None:
                 view.put_counts(spec, p, stats, chosen.fast)
-        if not needs:
+        kept_fraction = getattr(trimmed if trimmed is not None else prepared, "kept_fraction", None)
+        result.kept = kept_fraction(stats) if kept_fraction is not None else None  # as a local merge reports it
+        if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
             result.warnings += stats.identical_agents()
         finish_output(writer, match, result, recipe)
     result.read_bytes = read  # the tasks count what they read, the copied tensors too
