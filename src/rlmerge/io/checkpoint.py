@@ -369,9 +369,23 @@ class Checkpoint:
         nbytes = (stop - start) * info.dtype.itemsize
         if nbytes == 0:
             return memoryview(b"")
+        return self.read_into(info.name, start, stop, self.scratch(nbytes))
+
+    def scratch(self, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of this checkpoint's reused read buffer (grown when too small)."""
         if len(self._scratch) < nbytes:
             self._scratch = bytearray(nbytes)
-        return self.read_into(info.name, start, stop, memoryview(self._scratch)[:nbytes])
+        return memoryview(self._scratch)[:nbytes]
+
+    def pread(self, file: Path, offset: int, buf: memoryview, tensor: str | None = None) -> memoryview:
+        """``len(buf)`` stored bytes of ``file`` from ``offset`` into ``buf``: one ``preadv`` through the shared
+        descriptor pool; a short read (the file changed or was truncated) is an InputError."""
+        with self.fd(file) as fd:
+            got = os.preadv(fd, [buf], offset)
+        if got != len(buf):
+            raise InputError(f"short read: wanted {len(buf)} bytes, got {got}", file=str(file), tensor=tensor,
+                             hint="the file changed or was truncated while merging")
+        return buf
 
     def read_into(self, name: str, start: int, stop: int, buf: memoryview) -> memoryview:
         """Stored bytes of flat elements [start, stop) of ``name`` (safetensors only) into ``buf``.
@@ -381,14 +395,7 @@ class Checkpoint:
         """
         info = self.tensors[name]
         size = info.dtype.itemsize
-        nbytes = (stop - start) * size
-        view = buf[:nbytes]
-        with self.fd(info.file) as fd:
-            got = os.preadv(fd, [view], info.offset + start * size)
-        if got != nbytes:
-            raise InputError(f"short read: wanted {nbytes} bytes, got {got}", file=str(info.file),
-                             tensor=info.name, hint="the file changed or was truncated while merging")
-        return view
+        return self.pread(info.file, info.offset + start * size, buf[:(stop - start) * size], info.name)
 
     def fd(self, file: Path) -> contextlib.AbstractContextManager[int]:
         """``with ckpt.fd(file) as fd:`` a descriptor of ``file`` from the shared pool (safe across threads)."""

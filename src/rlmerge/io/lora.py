@@ -25,7 +25,6 @@ embeddings, a rank that disagrees with the weights, and any other option rlmerge
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,15 +263,8 @@ def _read_own(ckpt: LoraAdapter, info: TensorInfo, start: int, stop: int, out: t
         return dst
     if getattr(ckpt, "_bin_format", False):
         return dst.copy_(ckpt._bin[info.file][info.name].reshape(-1)[start:stop])
-    nbytes = n * info.dtype.itemsize
-    if len(ckpt._scratch) < nbytes:
-        ckpt._scratch = bytearray(nbytes)
-    view = memoryview(ckpt._scratch)[:nbytes]
-    with ckpt.fd(info.file) as fd:
-        got = os.preadv(fd, [view], info.offset + start * info.dtype.itemsize)
-    if got != nbytes:
-        raise InputError(f"short read: wanted {nbytes} bytes, got {got}", file=str(info.file), tensor=info.name,
-                         hint="the file changed or was truncated while merging")
+    size = info.dtype.itemsize
+    view = ckpt.pread(info.file, info.offset + start * size, ckpt.scratch(n * size), info.name)
     return dst.copy_(torch.frombuffer(view, dtype=info.dtype.torch, count=n))
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import struct
 import zipfile
 from collections.abc import Iterator
@@ -202,16 +201,8 @@ class VerlCheckpoint(Checkpoint):
         return dst
 
     def _pread(self, p: Piece, s: int, e: int) -> memoryview:
-        nbytes = (e - s) * p.dtype.itemsize
-        if len(self._scratch) < nbytes:
-            self._scratch = bytearray(nbytes)
-        view = memoryview(self._scratch)[:nbytes]
-        with self.fd(p.file) as fd:
-            got = os.preadv(fd, [view], p.offset + s * p.dtype.itemsize)
-        if got != nbytes:
-            raise InputError(f"short read: wanted {nbytes} bytes, got {got}", file=str(p.file),
-                             hint="the file changed or was truncated while merging")
-        return view
+        size = p.dtype.itemsize
+        return self.pread(p.file, p.offset + s * size, self.scratch((e - s) * size))
 
     def read_f32(self, name: str, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         name = self.tensors[name].name  # an alias reads its stored tensor
