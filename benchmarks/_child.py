@@ -11,6 +11,8 @@ import rlmerge
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])
     kwargs = {"block_size": job["block_size"]} if job.get("block_size") else {}
+    if job.get("dtype"):
+        kwargs["dtype"] = job["dtype"]
     t0 = time.perf_counter()
     rlmerge.merge(job["base"], job["agents"], job["out"], method=job["method"], params=job["params"],
                   device=job.get("device", "cpu"), fsync=job.get("fsync", True), **kwargs)

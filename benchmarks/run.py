@@ -179,6 +179,9 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="0.5b")
     ap.add_argument("--layers", type=int, default=None, help="trim the shape to this many layers")
     ap.add_argument("--methods", default=",".join(CASES))
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="rlmerge's output dtype (default bfloat16, mergekit's out_dtype here); 'base' for rlmerge's "
+                         "own default (ram+ then writes float32)")
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench-data")
     ap.add_argument("--out-dir", type=Path, default=None,
                     help="where merge outputs (and the floor's scratch file) go; default: the workdir. "
@@ -233,7 +236,7 @@ def bench_case(key: str, case: Case, base: Path, agents: list[Path], args: argpa
     ours = work / f"out-{key}"
     shutil.rmtree(ours, ignore_errors=True)
     job = {"base": str(base), "agents": [str(a) for a in agents], "out": str(ours), "method": case.rlmerge,
-           "params": case.params, "block_size": args.block_size, "fsync": not args.no_fsync}
+           "params": case.params, "block_size": args.block_size, "fsync": not args.no_fsync, "dtype": args.dtype}
     env = ["env", "RLMERGE_FAST=0"] if torch_path else []
     runs = []
     for _ in range(max(1, args.repeat)):  # the machine is shared and noisy: median of the repeats

@@ -34,9 +34,9 @@ def test_a_merge_over_two_nodes_writes_the_local_bytes(two_nodes, example, tmp_p
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
     base, agents = example
     for method in ("ram+", "ties"):
-        local = rlmerge.merge(base, agents, tmp_path / f"local-{method}", method=method, shard_size=20_000)
-        res = merge_on_ray(base, agents, tmp_path / f"ray-{method}", method=method, shard_size=20_000, workers=2,
-                           partition=[[0, 2], [1]])
+        kw = {"method": method, "shard_size": 20_000, "dtype": "bfloat16"}  # three shards for every method
+        local = rlmerge.merge(base, agents, tmp_path / f"local-{method}", **kw)
+        res = merge_on_ray(base, agents, tmp_path / f"ray-{method}", **kw, workers=2, partition=[[0, 2], [1]])
         names = sorted(p.name for p in local.output.iterdir())
         assert names == sorted(p.name for p in res.output.iterdir())
         for n in names:

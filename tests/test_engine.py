@@ -119,7 +119,7 @@ def test_merged_folder_loads_and_generates_in_transformers(tmp_path: Path, arch:
     rlmerge.merge(base, agents, out, method="ram+", shard_size="40KB")
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    assert model.dtype == torch.bfloat16
+    assert model.dtype == torch.float32  # ram+ writes float32 over a bf16 base, and the config says so
     state = model.state_dict()
     for name, t in load_output(out).items():
         assert torch.equal(state[name], t), name

@@ -78,7 +78,7 @@ def test_an_untied_base_with_a_tied_agent(tmp_path: Path, monkeypatch, fast: str
     cfg["tie_word_embeddings"] = True
     tied = write_checkpoint(tmp_path / "tied", tied_state, cfg)
     out = tmp_path / "out"
-    rlmerge.merge(base, [agents[0], tied], out, method="ram+", params={"preset": "paper"})
+    rlmerge.merge(base, [agents[0], tied], out, method="ram+", params={"preset": "paper"}, dtype="base")
     b, a0, a1 = (load_output(m) for m in (base, agents[0], tied))
     got = load_output(out)
     lam = json.loads((out / "rlmerge.json").read_text())["agents"]

@@ -23,13 +23,13 @@ PRESETS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [None, "float32"])
+@pytest.mark.parametrize("dtype", ["base", "float32", None])  # None: ram+'s default, float32 over a bf16 base
 @pytest.mark.parametrize(("preset", "knobs"), PRESETS)
 def test_ram_plus_equals_dense_reference(example, tmp_path: Path, preset: str, knobs: dict, dtype: str | None) -> None:
     base, agents = example
     res = rlmerge.merge(base, agents, tmp_path / "out", method="ram+", params={"preset": preset}, dtype=dtype,
                         block_size=1000)
-    want = ram_reference(base, agents, preset=preset, out_dtype=torch.float32 if dtype else None, **knobs)
+    want = ram_reference(base, agents, preset=preset, out_dtype=None if dtype == "base" else torch.float32, **knobs)
     assert_same_tensors(load_output(tmp_path / "out"), want)
     if preset != "tensor-local":
         b, ags = load_models(base, agents)
@@ -41,10 +41,10 @@ def test_ram_plus_equals_dense_reference(example, tmp_path: Path, preset: str, k
 def test_ram_equals_dense_reference_and_r0(example, tmp_path: Path) -> None:
     base, agents = example
     rlmerge.merge(base, agents, tmp_path / "ram", method="ram")
-    rlmerge.merge(base, agents, tmp_path / "r0", method="ram+", params={"r": 0.0})
-    want = ram_reference(base, agents, preset=None)
-    assert_same_tensors(load_output(tmp_path / "ram"), want)
-    assert_same_tensors(load_output(tmp_path / "r0"), want)  # r = 0 is RAM
+    rlmerge.merge(base, agents, tmp_path / "r0", method="ram+", params={"r": 0.0})  # float32 (ram+'s default)
+    assert_same_tensors(load_output(tmp_path / "ram"), ram_reference(base, agents, preset=None))
+    want32 = ram_reference(base, agents, preset=None, out_dtype=torch.float32)
+    assert_same_tensors(load_output(tmp_path / "r0"), want32)  # r = 0 is RAM
 
 
 def _tiny(tmp_path: Path, base: list[float], agents: list[list[float]]) -> tuple[Path, list[Path]]:

@@ -168,6 +168,7 @@ def parse_recipe(doc: Any, *, where: str = "recipe", methods: Collection[str] | 
                 "under parameters, or drop base_model")
         agents.append(str(base))
         per_model.append({})
+    mergekit_method = str(method) in METHODS
     tr = translate(str(method), params, per_model)
     for e in tr.problems:
         bad(e.message, e.hint)
@@ -185,6 +186,9 @@ def parse_recipe(doc: Any, *, where: str = "recipe", methods: Collection[str] | 
     except RLMergeError as e:
         problems += e.problems if isinstance(e, ProblemsError) else [e]
     dtype = doc.get("out_dtype", doc.get("dtype"))  # mergekit computes in dtype and writes out_dtype
+    if dtype is None and mergekit_method:  # mergekit writes the models' own dtype, also where rlmerge would widen
+        dtype = "base"
+        tr.defaults.append("dtype = the base's (mergekit's default: it writes the models' own dtype)")
     raise_all(problems)
     return Recipe(str(method), str(base), agents, params, None if dtype is None else str(dtype), typed, raw=doc,
                   defaults=tr.defaults, warnings=tr.warnings)

@@ -146,13 +146,14 @@ def result_json(res: MergeResult) -> dict[str, Any]:
 
 
 def print_result(res: MergeResult) -> None:
-    from ..report.provenance import agent_rows
+    from ..report.provenance import COLUMN, agent_rows
 
     rows = agent_rows(res)
     table = Table(title=f"{res.method} merge of {len(rows)} agents")
-    cols = [c for c in ("agent", "density", "kept", "unique", "shared", "rho", "lambda") if c in rows[0]]
+    cols = [c for c in ("agent", "density", "kept", "unique", "shared", "rho", "lambda", "lambda_kept")
+            if c in rows[0]]
     for c in cols:
-        table.add_column({"rho": "ρ", "lambda": "λ"}.get(c, c), justify="left" if c == "agent" else "right")
+        table.add_column(COLUMN.get(c, c), justify="left" if c == "agent" else "right")
     for row in rows:
         row = {**row, "agent": Path(row["agent"]).name or row["agent"]}  # full paths are in rlmerge.json
         table.add_row(*(_fmt(c, row[c]) for c in cols))
@@ -162,7 +163,11 @@ def print_result(res: MergeResult) -> None:
 
 
 def _fmt(col: str, v: Any) -> str:
-    if col in ("density", "kept"):
+    from ..report.provenance import PERCENT
+
+    if v is None:
+        return "—"
+    if col in PERCENT:
         return f"{v:.2%}"
     if isinstance(v, float):
         return f"{v:.4f}"

@@ -20,7 +20,8 @@ RescaleFactor = Annotated[float | None, typer.Option(help="RAM+ official preset'
 Eps = Annotated[float | None, typer.Option("--eps", help="changed means |τ| > eps (1e-5)")]
 Scaling = Annotated[float | None, typer.Option(help="task arithmetic λ")]
 Param = Annotated[list[str] | None, typer.Option("--param", help="any method parameter, KEY=VALUE")]
-Dtype = Annotated[str | None, typer.Option(help="output dtype (default: the base's)")]
+Dtype = Annotated[str | None, typer.Option(help="output dtype: bfloat16, float16, float32, or base (default: the "
+                                                 "base's; float32 for ram+, whose rescale rounds away in bf16)")]
 ShardSize = Annotated[str | None, typer.Option(help="max shard size, e.g. 5GB")]
 BlockSize = Annotated[int | None, typer.Option(help="elements per block (memory bound)")]
 AllowMissing = Annotated[bool, typer.Option(help="an agent missing a tensor counts as unchanged")]

@@ -71,7 +71,7 @@ def print_report(r: DryRun) -> None:
         out.print(f"method {r.method}: {len(r.match.jobs)} tensors ({merged} merged, "
                   f"{len(r.match.jobs) - merged} copied), {len(r.match.agents)} agents")
         out.print(f"passes: {' + '.join(r.passes)}; read {_size(r.read_bytes)}, write {_size(r.write_bytes)} "
-                  f"in {r.shards} shard(s)")
+                  f"in {r.shards} shard(s), merged tensors as {'/'.join(r.match.merged_dtypes)}")
     if r.memory is not None:
         avail = "unknown" if r.available_memory is None else f"{r.available_memory / 2**30:.2f} GiB"
         out.print(f"peak memory ≈ {r.memory.total / 2**30:.2f} GiB (blocks of {r.memory.block:,} elements; "

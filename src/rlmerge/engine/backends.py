@@ -18,11 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from .._torch import torch
 from ..io.checkpoint import Checkpoint
 from ..io.writer import CheckpointWriter
 from ..methods import BlockContext, MethodSpec
 from ..stats import Statistics, TensorStats, check_finite
+from . import survival
 from .blocks import Block, BlockReader, tensor_bytes
 from .fast import FastPath, merge_job_fast, rule_args, statistics_pass_fast
 from .fast_random import RandomBackend
@@ -50,6 +53,13 @@ class Run:
     def params_of(self, name: str) -> Any:
         """The parameters of tensor ``name`` (``params`` unless a recipe's gradient or filter made them its own)."""
         return self.params if self.at is None else self.at(name)
+
+    def rescaled(self, name: str, ctx: BlockContext) -> np.ndarray | None:
+        """The agents whose unique elements tensor ``name`` rescales (survival.py), None for a method without."""
+        p, n = self.params_of(name), len(self.match.agents)
+        if self.spec.unique_scale is None or self.spec.program(p, n) is None:
+            return None
+        return survival.rescaled(self.spec, self.spec.values(p, ctx.prepared, ctx.tensor_stats, n, name), n)
 
     def context(self, job: Job, blk: Block, prepared: Any) -> BlockContext:
         return BlockContext(job.name, blk.start, blk.stop, job.info.shape, job.present, prepared,
@@ -126,15 +136,22 @@ class TorchBackend:
     def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
         run = self.run
         files = _agent_files(run.match, job.name)
+        counts, flags = np.zeros((len(run.match.agents), 2), dtype=np.int64), None
         for blk in self._blocks(job):
             if ts is not None:
                 count(run.stats, job, blk, files)
             else:
                 check_finite(blk.deltas, blk.deltas.sum(1), name=job.name, files=files, start=blk.start)
-            merged = run.spec.merge_block(blk.base, blk.deltas, run.params_of(job.name),
-                                          run.context(job, blk, run.prepared))
-            out.write_now(tensor_bytes(cast(merged, job, blk.start)))
+            ctx = run.context(job, blk, run.prepared)
+            merged = run.spec.merge_block(blk.base, blk.deltas, run.params_of(job.name), ctx)
+            written = cast(merged, job, blk.start)
+            flags = run.rescaled(job.name, ctx) if blk.start == 0 else flags
+            if flags is not None:
+                counts = counts + survival.count_torch(blk.base, blk.deltas, written, run.stats.epsilon, flags)
+            out.write_now(tensor_bytes(written))
             bar.advance(blk.n * job.out_dtype.itemsize)
+        if flags is not None:
+            out.annotate(job.name, {survival.NOTE: counts.tolist()})
 
 
 class FusedBackend:

@@ -37,7 +37,15 @@ from .blocks import DEFAULT_BLOCK
 from .build import Context, Scored, Scorer, build_and_score, warm
 from .cache import StatsCache
 from .candidates import Candidate
-from .merge import MergeResult, cached_statistics, check_copies, finish_output, output_fingerprint, statistics_only
+from .merge import (
+    MergeResult,
+    cached_statistics,
+    check_copies,
+    finish_output,
+    output_fingerprint,
+    rescale_survival,
+    statistics_only,
+)
 from .passes import merge_pass
 from .preflight import Preflight, preflight
 from .progress import Progress
@@ -93,6 +101,7 @@ def _cancel(pending: Mapping[Any, int]) -> None:
 
 
 FAULT_ENV = "RLMERGE_RAY_TEST_KILL"  # tests only: see _fault_point
+Record = tuple[str, int, int, "dict[str, Any] | None"]  # a shard a worker wrote: file, bytes, CRC-32, notes
 
 
 def _fault_point() -> None:
@@ -181,9 +190,10 @@ def _statistics_task(req: _Request, names: list[str]) -> tuple[dict[str, TensorS
 @ray.remote
 def _merge_task(req: _Request, shard_ids: list[int], expected: list[str], prepared: Any, observer: Any,
                 tensor_stats: dict[str, TensorStats], collect: bool, output: str, tmp: str, metadata: dict[str, str],
-                fsync: bool) -> tuple[list[tuple[str, int, int]], dict[str, TensorStats], int, dict[str, Any]]:
-    """Write shards ``shard_ids`` into the partial folder ``tmp``: ((file, bytes, CRC-32) of each, counts, bytes
-    read, what a trim kept per tensor: the observer's ``kept``, for the merge table's kept column)."""
+                fsync: bool) -> tuple[list[Record], dict[str, TensorStats], int, dict[str, Any]]:
+    """Write shards ``shard_ids`` into the partial folder ``tmp``: ((file, bytes, CRC-32, notes on its tensors) of
+    each, counts, bytes read, what a trim kept per tensor: the observer's ``kept``, for the merge table's kept
+    column)."""
     pf = req.open()
     try:
         assert pf.match is not None and pf.spec is not None
@@ -285,7 +295,7 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
         todo = [g for g in todo if g]
         refs = (ray.put(prepared), ray.put(observer))
         expected = [s.filename for s in writer.shards]
-        done: dict[int, tuple[str, int, int]] = {}
+        done: dict[int, Record] = {}
         counted: dict[str, TensorStats] = {}
         nxt = [kept]
 
@@ -321,6 +331,7 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
         result.kept = kept_fraction(stats) if kept_fraction is not None else None  # as a local merge reports it
         if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
             result.warnings += stats.identical_agents()
+        rescale_survival(result, match, writer.annotations())  # the workers' notes, adopted with their shards
         finish_output(writer, match, result, recipe)
     result.read_bytes = read  # the tasks count what they read, the copied tensors too
     result.write_bytes = match.write_bytes

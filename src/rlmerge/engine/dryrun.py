@@ -44,6 +44,7 @@ class DryRun:
         return {
             "ok": self.ok, "method": self.method, "passes": self.passes, "read_bytes": self.read_bytes,
             "write_bytes": self.write_bytes, "shards": self.shards,
+            "merged_dtypes": self.match.merged_dtypes if self.match else None,
             "tensors": len(self.match.jobs) if self.match else None,
             "peak_memory_bytes": mem.total if mem else None, "block": mem.block if mem else None,
             "mapped_bin_bytes": mem.mapped if mem else None, "available_memory_bytes": self.available_memory,

@@ -24,6 +24,7 @@ from ..methods import MethodSpec
 from ..methods._ops import row_length
 from ..methods.rule import Program
 from ..stats import Statistics, TensorStats, check_finite
+from . import survival
 from .blocks import device_type
 from .match import Job, Match
 
@@ -59,6 +60,7 @@ class RuleArgs:
     consts: np.ndarray  # [C] float32
     agent_consts: np.ndarray  # [A, N] float32
     eps: np.float32
+    rescaled: np.ndarray | None = None  # [N] bool: agents whose unique elements the rule rescales (survival.py)
 
 
 def rule_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None, n: int, eps: float,
@@ -66,8 +68,9 @@ def rule_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None, n
     """The fused kernel's arguments for tensor ``name`` of an elementwise method."""
     prog = spec.program(p, n)
     assert prog is not None  # the route sends only methods with a rule here
-    consts, agent_consts = prog.arrays(spec.values(p, prepared, ts, n, name))
-    return RuleArgs(prog, consts, agent_consts, np.float32(eps))
+    values = spec.values(p, prepared, ts, n, name)
+    consts, agent_consts = prog.arrays(values)
+    return RuleArgs(prog, consts, agent_consts, np.float32(eps), survival.rescaled(spec, values, n))
 
 
 def stats_args(n_agents: int, eps: float) -> RuleArgs:
@@ -284,13 +287,20 @@ def next_block(blocks: Iterator[Any], job: Job, fast: FastPath | None = None, ts
 
 def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: RuleArgs, ts: TensorStats | None,
                    out: CheckpointWriter, bar: Any) -> None:
-    """All blocks of one eligible job: fused kernel, statistics into ``ts`` when given, queued write."""
+    """All blocks of one eligible job: fused kernel, statistics into ``ts`` when given, queued write; a rescale's
+    survival counted and noted with the tensor (survival.py)."""
+    counts = None if args.rescaled is None else np.zeros((fast.threads, len(args.rescaled), 2), dtype=np.int64)
     for _ in range(-(-job.numel // fast.step(job))):
         start, stop, slot, base, agents = next_block(blocks, job)
         merged = fast.out_view(slot, job, stop - start)
         fast.run(job, start, base, agents, args, merged, ts)
+        if counts is not None:
+            fast.parallel(stop - start, lambda k, lo, hi, b=base, a=agents, m=merged: kernels.survival_range(
+                b, a, lo, hi, args.eps, args.rescaled, m, counts[k]))
         write_slot(out, slot, merged)
         bar.advance((stop - start) * job.out_dtype.itemsize)
+    if counts is not None:
+        out.annotate(job.name, {survival.NOTE: counts.sum(0).tolist()})
 
 
 def write_slot(out: CheckpointWriter, slot: _Slot, merged: np.ndarray) -> None:

@@ -72,6 +72,11 @@ class Match:
     def write_bytes(self) -> int:
         return sum(j.out_nbytes for j in self.jobs)
 
+    @property
+    def merged_dtypes(self) -> list[str]:
+        """The dtypes the merged tensors are written in ("bfloat16", "float32" …)."""
+        return sorted({str(j.out_dtype).removeprefix("torch.") for j in self.merge_jobs})
+
 
 def tied_tensors(base: Checkpoint) -> list[str]:
     """Embeddings that double as lm_head: tied in config and lm_head not stored."""
@@ -173,8 +178,9 @@ BASE_ITSELF = "agent {} is the base folder itself: it contributes nothing"
 
 
 def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | None = None,
-               allow_missing: bool = False, count_tied_twice: bool = False) -> Match:
-    """Check every agent against the base and lay out the jobs; raise all problems together."""
+               allow_missing: bool = False, count_tied_twice: bool = False, at_least: DType | None = None) -> Match:
+    """Check every agent against the base and lay out the jobs; raise all problems together. A merged tensor is
+    written in ``dtype``, else in the base's dtype widened to ``at_least`` where that is narrower."""
     problems: list[RLMergeError] = bind_to_base(base, agents)  # LoRA agents take the base's tensors
     match = Match(base, agents, jobs=[], tied=tied_tensors(base))
     match.warnings += [note for m in (base, *agents) for note in m.notes]
@@ -223,6 +229,8 @@ def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | N
                                            tensor=name, hint="re-save the agent in a float dtype"))
         kind: Literal["merge", "copy"] = "merge" if info.is_float else "copy"
         out_dtype = dtype if (dtype is not None and info.is_float) else info.dtype
+        if dtype is None and at_least is not None and info.is_float and info.dtype.itemsize < at_least.itemsize:
+            out_dtype = at_least
         weight = 2 if (count_tied_twice and name in match.tied) else 1
         match.jobs.append(Job(name, kind, info, out_dtype, tuple(present), weight))
 

@@ -19,6 +19,7 @@ from ..methods import MethodSpec
 from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
 from ..report.provenance import model_card, provenance
 from ..stats import Statistics
+from . import survival
 from .backends import Backend, Run, make_backends
 from .blocks import DEFAULT_BLOCK, device_type, spans
 from .match import Match
@@ -45,6 +46,8 @@ class MergeResult:
     write_bytes: int = 0
     passes: list[str] = field(default_factory=list)  # "statistics", "merge": what ran
     kept: list[float] | None = None  # per agent, the fraction of τ a magnitude trim kept (TIES), else None
+    # per agent, the share of its rescaled unique elements whose written value keeps λ (RAM+), else None
+    rescale_kept: list[float | None] | None = None
     defaults: list[str] = field(default_factory=list)  # mergekit defaults a recipe took, in words
     per_tensor: dict[str, str] = field(default_factory=dict)  # parameters a recipe gave per tensor, in words
 
@@ -176,6 +179,7 @@ def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool]
         result.kept = kept(stats) if kept is not None else None
         if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
             result.warnings += stats.identical_agents()
+        rescale_survival(result, match, writer.annotations())
         finish_output(writer, match, result, recipe)
     result.read_bytes, result.write_bytes = run.read_bytes, match.write_bytes
     return result
@@ -196,6 +200,13 @@ def statistics_only(match: Match, spec: MethodSpec, p: Any, chosen: Route, *, bl
         cache.put_counts(spec, p, stats, chosen.stats_fast)
         cache.put_observer(run.observer)
     return stats, run.observer, run.read_bytes
+
+
+def rescale_survival(result: MergeResult, match: Match, notes: Mapping[str, Any]) -> None:
+    """What the output dtype kept of a rescale (survival.py), from every tensor's note; a warning where little."""
+    counts = survival.totals(notes, len(match.agents))
+    result.rescale_kept = survival.fractions(counts)
+    result.warnings += survival.warnings([a.label for a in match.agents], counts, match.merged_dtypes)
 
 
 def finish_output(writer: Any, match: Match, result: MergeResult, recipe: Mapping[str, Any] | None) -> None:

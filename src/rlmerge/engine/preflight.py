@@ -32,15 +32,17 @@ from .match import BASE_ITSELF, Match, match_models
 from .route import Route, route
 
 OUT_DTYPES = (BF16, F16, F32)  # what --dtype may ask for
+KEEP_BASE = "base"  # --dtype base: the base's dtype, also for a method that would widen it (float32_output)
 
 
 def parse_dtype(name: str | DType | Any | None) -> DType | None:
-    """'bfloat16', 'bf16', 'fp16', 'float32', … (or a DType, or a torch dtype) → the output DType."""
-    if name is None or isinstance(name, DType):
-        return name
+    """'bfloat16', 'bf16', 'fp16', 'float32', … (or a DType, or a torch dtype) → the output DType; None (and
+    'base') → the base's own."""
+    if name is None or isinstance(name, DType) or str(name).strip().lower() == KEEP_BASE:
+        return None if name is None or isinstance(name, str) else name
     dtype = by_name(str(name))
     if dtype not in OUT_DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}", hint="use bfloat16, float16 or float32")
+        raise ConfigError(f"unknown dtype {name!r}", hint="use bfloat16, float16, float32, or base (the base's)")
     return dtype
 
 
@@ -131,8 +133,9 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
     here = [a for a in pf.agents if a is not None]
     # Agents that could not be opened are left out, so the others are still matched against the base.
     try:
+        widen = dtype is None and pf.spec is not None and pf.spec.float32_output  # the one place this is decided
         pf.match = match_models(pf.base, here, dtype=pf.out_dtype, allow_missing=allow_missing,
-                                count_tied_twice=count_tied_twice)
+                                count_tied_twice=count_tied_twice, at_least=F32 if widen else None)
         if all(pf.extras):
             check_side_inputs(pf.match, pf.extras)  # type: ignore[arg-type]
     except RLMergeError as e:

@@ -37,6 +37,7 @@ class MemoryWriter:
         self.manifest: dict[str, Any] | None = None  # what ``finish`` was given (provenance)
         self._next = 0
         self._cursor = 0  # bytes of the current tensor written
+        self.notes: dict[str, Any] = {}  # tensor → what the merge noted about it
 
     @property
     def nbytes(self) -> int:
@@ -51,6 +52,12 @@ class MemoryWriter:
 
     def pending(self, jobs: Sequence[Job]) -> list[Job]:
         return list(jobs)
+
+    def annotate(self, name: str, value: Any) -> None:
+        self.notes[name] = value
+
+    def annotations(self) -> dict[str, Any]:
+        return dict(self.notes)
 
     # -- tensor data, in job order --------------------------------------------------------------------
     def start(self, job: Job) -> None:

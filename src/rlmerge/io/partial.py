@@ -480,9 +480,13 @@ class PartialDir:
         self._write_progress()
         return self.resumed
 
-    def record(self, filename: str, nbytes: int, crc32: int) -> None:
-        """A shard is complete and on disk (fsynced by the caller): remember it."""
-        self.shards.append({"file": filename, "bytes": nbytes, "crc32": crc32})
+    def record(self, filename: str, nbytes: int, crc32: int, notes: dict[str, Any] | None = None) -> None:
+        """A shard is complete and on disk (fsynced by the caller): remember it, with what the merge noted about
+        its tensors (``CheckpointWriter.annotate``), which a resumed run reads back instead of recomputing."""
+        rec: dict[str, Any] = {"file": filename, "bytes": nbytes, "crc32": crc32}
+        if notes:
+            rec["notes"] = notes
+        self.shards.append(rec)
         self.note(filename, nbytes, crc32)
         self._write_progress()
 

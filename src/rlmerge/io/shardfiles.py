@@ -25,7 +25,8 @@ class ShardFiles:
 
     def __init__(self, output: Path, tmp: Path) -> None:
         self.output, self.tmp = output, tmp
-        self.records: list[tuple[str, int, int]] = []  # (file, bytes, CRC-32) of every shard completed, in order
+        # (file, bytes, CRC-32, notes on its tensors) of every shard completed, in order
+        self.records: list[tuple[str, int, int, dict[str, Any] | None]] = []
 
     def start(self, fp: str, filenames: Sequence[str], identity: list[list[Any]] | None = None) -> int:
         """Check the folder is the driver's (a real folder of this user's); nothing is kept from before."""
@@ -42,5 +43,5 @@ class ShardFiles:
     def reopen(self, name: str) -> Any:
         return reopen_file(self.tmp, name)
 
-    def record(self, filename: str, nbytes: int, crc32: int) -> None:
-        self.records.append((filename, nbytes, crc32))
+    def record(self, filename: str, nbytes: int, crc32: int, notes: dict[str, Any] | None = None) -> None:
+        self.records.append((filename, nbytes, crc32, notes))

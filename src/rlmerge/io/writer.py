@@ -216,6 +216,7 @@ class CheckpointWriter:
         self._background = background
         self._queue: WriteQueue | None = None
         self._last: Future[Any] | None = None
+        self._notes: dict[str, Any] = {}  # tensor → what the merge noted about it (annotate)
 
     def __enter__(self) -> CheckpointWriter:
         kept = self.partial.start(self.fingerprint, [s.filename for s in self.shards], self.identity)
@@ -273,15 +274,26 @@ class CheckpointWriter:
         self._last = self._queue.submit(self.write, data)
         return self._last
 
-    def adopt(self, filename: str, nbytes: int, crc32: int) -> None:
+    def adopt(self, filename: str, nbytes: int, crc32: int, notes: dict[str, Any] | None = None) -> None:
         """The next shard, written into the partial folder by another process (a Ray worker, ``ShardFiles``):
         recorded as if written here. Shards are adopted in order, after any this writer kept or wrote."""
         i = self._shard_i + 1
         if self._fh is not None or self._remaining or i >= len(self.shards) or self.shards[i].filename != filename:
             raise RuntimeError(f"cannot adopt {filename} as shard {i}")
-        self.partial.record(filename, nbytes, crc32)
+        self._notes.update(notes or {})
+        self.partial.record(filename, nbytes, crc32, notes)
         self._shard_i = i
         self._next += len(self.shards[i].jobs)
+
+    def annotate(self, name: str, value: Any) -> None:
+        """A note about tensor ``name`` (JSON), kept with its shard's record: call it once the tensor is computed and
+        before the next one starts, so that the note is there when the shard closes."""
+        self._notes[name] = value
+
+    def annotations(self) -> dict[str, Any]:
+        """Every tensor's note: this run's, and those of the shards a resumed run kept."""
+        kept = {k: v for rec in getattr(self.partial, "shards", []) for k, v in (rec.get("notes") or {}).items()}
+        return {**kept, **self._notes}
 
     def drain(self) -> None:
         """Wait for every queued write (and raise its error, if any)."""
@@ -328,7 +340,8 @@ class CheckpointWriter:
             raise disk_error(e, path) from e
         finally:
             self._fh = None
-        self.partial.record(shard.filename, path.stat().st_size, self._crc)
+        notes = {j.name: self._notes[j.name] for j in shard.jobs if j.name in self._notes}
+        self.partial.record(shard.filename, path.stat().st_size, self._crc, notes)
 
     def write(self, data: memoryview) -> None:
         """Append raw bytes of the current tensor (already in the output dtype)."""

@@ -63,3 +63,10 @@ def gta_merge_range(*args: Any) -> None:
     from .select import merge_range
 
     merge_range(*args)
+
+
+def survival_range(*args: Any) -> None:
+    """Count, per agent, the unique elements whose written value keeps RAM+'s rescale (survival.py)."""
+    from .survival import survival_range as kernel
+
+    kernel(*args)

@@ -209,7 +209,7 @@ METHODS = [
                PAPER, "elementwise", RamParams, rule=ram_rule, constants=_ram_constants),
     MethodSpec("ram+", "RAM+: RAM with each agent's unique elements rescaled by λ from the overlap ratio ρ",
                PAPER, "global", RamPlusParams, rule=ram_plus_rule, constants=_ram_plus_constants,
-               needs_stats=lambda p: True, prepare=prepare_ram_plus,
+               needs_stats=lambda p: True, prepare=prepare_ram_plus, float32_output=True, unique_scale="lam",
                per_tensor=lambda p: ("r", "alpha") if p.preset == "tensor-local" else (),
                observer=lambda p, n, at=None: MagnitudeSums(p.epsilon, n) if p.preset == "magnitude" else None),
     MethodSpec("unique", "base + one agent's unique elements only, at full size or divided by N (paper Fig. 3)",

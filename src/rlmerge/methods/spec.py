@@ -83,6 +83,12 @@ class MethodSpec:
     # It merges task vectors τ = θ_t − θ₀, so an agent equal to the base adds nothing (and is warned about); False
     # for a method that averages the models themselves (linear), where such an agent counts like any other.
     task_vectors: bool = True
+    # Written in float32 where the base stores a narrower float, unless a dtype is asked for: what the method adds
+    # to RAM is about one bf16 step and would round away (docs/methods.md, "Rounding").
+    float32_output: bool = False
+    # The per-agent constant a unique element's τ is multiplied by (RAM+'s ``lam``): the merge counts how many
+    # unique elements keep that rescale in the output dtype (engine/survival.py).
+    unique_scale: str | None = None
 
     def parse(self, values: Mapping[str, Any] | None) -> Any:
         """Build the parameter dataclass from loose values (CLI, YAML); all problems at once."""

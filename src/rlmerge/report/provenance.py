@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from ..engine.merge import MergeResult
 
 
+COLUMN = {"rho": "ρ", "lambda": "λ", "lambda_kept": "λ kept"}  # the agent table's headers, where not the key
+PERCENT = ("density", "kept", "lambda_kept")
+
+
 def _files(ckpt: Checkpoint) -> list[dict[str, Any]]:
     """Each weight file with its size and the SHA-256 of its header (names, dtypes, shapes, offsets).
 
@@ -52,6 +56,8 @@ def agent_rows(result: MergeResult) -> list[dict[str, Any]]:
             row["lambda"] = float(result.lambdas[t])
         if result.kept is not None:
             row["kept"] = float(result.kept[t])  # what TIES' trim kept: the count k, not the change density
+        if result.rescale_kept is not None:  # the share of its rescaled unique elements the output dtype kept
+            row["lambda_kept"] = result.rescale_kept[t]
         rows.append(row)
     return rows
 
@@ -98,14 +104,15 @@ def model_card(match: Match, result: MergeResult) -> str:
         lines += ["Defaults applied (mergekit's, for a recipe in its layout):", *(f"- {d}" for d in result.defaults),
                   ""]
     rows = agent_rows(result)
-    cols = [c for c in ("agent", "density", "kept", "changed", "unique", "shared", "rho", "lambda") if c in rows[0]]
-    lines += ["| " + " | ".join("ρ" if c == "rho" else "λ" if c == "lambda" else c for c in cols) + " |",
-              "|" + "---|" * len(cols)]
+    cols = [c for c in ("agent", "density", "kept", "changed", "unique", "shared", "rho", "lambda", "lambda_kept")
+            if c in rows[0]]
+    lines += ["| " + " | ".join(COLUMN.get(c, c) for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
         for c in cols:
             v = r[c]
-            cells.append(f"{v:.2%}" if c in ("density", "kept") else f"{v:.4f}" if isinstance(v, float) else f"{v}")
+            cells.append("—" if v is None else f"{v:.2%}" if c in PERCENT else f"{v:.4f}" if isinstance(v, float)
+                         else f"{v}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Elements counted: {result.statistics.numel:,} (changed means |τ| > {result.statistics.epsilon:g}).",
               "Provenance (inputs, file hashes, parameters): `rlmerge.json`.", ""]
