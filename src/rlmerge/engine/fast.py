@@ -214,8 +214,9 @@ class FastPath:
 
     # -- computing -------------------------------------------------------------------------------------
     def run(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, args: RuleArgs,
-            out: np.ndarray | None, ts: TensorStats | None) -> None:
-        """The fused kernel on one block; statistics into ``ts`` when given (which also checks every τ)."""
+            out: np.ndarray | None, ts: TensorStats | None, kept: np.ndarray | None = None) -> None:
+        """The fused kernel on one block; statistics into ``ts`` when given (which also checks every τ); ``kept``
+        [threads, N, 2]: what the written block kept of the rule's rescale (``args.rescaled``, survival.py)."""
         n = base.shape[0]
         if ts is not None:
             self.hist[:] = 0
@@ -224,7 +225,8 @@ class FastPath:
         dest = out if out is not None else self._dummy_out
         bad = self.parallel(n, lambda k, lo, hi: kernels.fused_range(
             prog, base, agents, lo, hi, args.eps, args.consts, args.agent_consts, dest,
-            self.hist[k] if ts is not None else None, self.gram[k] if ts is not None else None, self.exact_gram))
+            self.hist[k] if ts is not None else None, self.gram[k] if ts is not None else None, self.exact_gram,
+            args.rescaled if kept is not None else None, kept[k] if kept is not None else None))
         if any(bad):
             self.raise_non_finite(job, start, base, agents)
         if ts is not None:
@@ -293,10 +295,7 @@ def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: RuleAr
     for _ in range(-(-job.numel // fast.step(job))):
         start, stop, slot, base, agents = next_block(blocks, job)
         merged = fast.out_view(slot, job, stop - start)
-        fast.run(job, start, base, agents, args, merged, ts)
-        if counts is not None:
-            fast.parallel(stop - start, lambda k, lo, hi, b=base, a=agents, m=merged: kernels.survival_range(
-                b, a, lo, hi, args.eps, args.rescaled, m, counts[k]))
+        fast.run(job, start, base, agents, args, merged, ts, counts)
         write_slot(out, slot, merged)
         bar.advance((stop - start) * job.out_dtype.itemsize)
     if counts is not None:

@@ -3,8 +3,9 @@
 A method declares ``unique_scale`` (methods/spec.py): the per-agent constant its rule multiplies a unique
 element's τ by. For every tensor it merges, the backend counts per agent [rescaled, kept]: the elements only that
 agent changed, in a tensor where its factor is not 1, and of those the ones whose written value differs from
-RAM's (``b + τ``) rounded to the same dtype (kernels/survival.py; ``count_torch`` on the torch path). The counts
-go with the tensor's shard (``CheckpointWriter.annotate``), so a resumed merge reports what an unstopped one does.
+RAM's (``b + τ``) rounded to the same dtype (kernels/fused.py, in the fused loop; ``count_torch`` on the torch
+path). The counts go with the tensor's shard (``CheckpointWriter.annotate``), so a resumed merge reports what an
+unstopped one does.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 
 
 def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo: int, hi: int, eps: Any,
-                consts: Any, agent_consts: Any, out: Any, hist: Any, gram: Any, exact: bool = False) -> bool:
+                consts: Any, agent_consts: Any, out: Any, hist: Any, gram: Any, exact: bool = False,
+                rescaled: Any = None, kept: Any = None) -> bool:
     """Elements [lo, hi) of one block through a method's elementwise ``program`` (methods/rule.py; None: the
     statistics only); True when a τ is not finite.
 
@@ -33,7 +34,9 @@ def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo:
     without a program). hist [S, 4^N] int64 and gram [N, N] float64 (upper triangle) accumulate the statistics,
     or are both None: then nothing is gathered and no τ is checked (a statistics pass over the same bytes
     already did). ``exact``: gram from float64 products, for a method that merges with it (model_stock); else
-    float32 sums over tiles. Compiled on first use for each (program, N, dtypes), cached on disk.
+    float32 sums over tiles. ``kept`` [N, 2] int64 (with ``rescaled`` [N] bool; both None without a statistics
+    pass's hist): what the written output kept of a rescale of unique elements (survival.py). Compiled on first
+    use for each (program, N, dtypes), cached on disk.
     """
     from .fused import PROGRAMS, STATS_ONLY, ProgramKey
     from .fused import fused_range as kernel
@@ -41,7 +44,8 @@ def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo:
     key = STATS_ONLY if program is None else program.key
     if program is not None:
         PROGRAMS.setdefault(key, program)
-    return bool(kernel(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, ProgramKey(key)))
+    return bool(kernel(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, rescaled, kept,
+                       ProgramKey(key)))
 
 
 def gta_hist_first(*args: Any) -> None:
@@ -63,10 +67,3 @@ def gta_merge_range(*args: Any) -> None:
     from .select import merge_range
 
     merge_range(*args)
-
-
-def survival_range(*args: Any) -> None:
-    """Count, per agent, the unique elements whose written value keeps RAM+'s rescale (survival.py)."""
-    from .survival import survival_range as kernel
-
-    kernel(*args)

@@ -1,7 +1,9 @@
 """The fused block kernel: a method's elementwise rule (methods/rule.py), compiled per number of agents (numba).
 
 One loop over a tile decodes the stored bits, computes τ_t, runs the rule's operations with the agents unrolled
-(so it vectorises), rounds to the output dtype and (``hist``/``gram`` given) adds the statistics. Each program is
+(so it vectorises), rounds to the output dtype and (``hist``/``gram`` given) adds the statistics; with ``kept``
+given, a second loop over the tile, still in cache, counts what the written values kept of a rescale of unique
+elements (engine/survival.py). Each program is
 compiled per dtypes and cached on disk under its content's key (``Program.key``): a changed rule is a new kernel,
 never a stale one. Only the statistics' Gram sums are reassociated (docs/architecture.md).
 """
@@ -58,7 +60,7 @@ def _unbox_key(typ, obj, c):  # type: ignore[no-untyped-def]
     return NativeValue(c.context.get_dummy_value())  # nothing to pass: the type is the key
 
 _BODY = '''
-def tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, key):
+def tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, ram, key):
     zero = np.float32(0.0)
 {unpack}
 {hoisted}
@@ -68,6 +70,25 @@ def tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, key):
 {agents}
 {rule}
 {codes}
+{kept}
+'''
+# What the written tile kept of a rescale (engine/survival.py): RAM's value of an element only agent t changed is
+# b + τ_t, RAM+ writes b + λ_t τ_t there. Where λ_t ≠ 1 (rescaled[t]), count such elements (n_t) and those whose
+# written value differs, as a value, from RAM's rounded to the output dtype (k_t). RAM's value is computed as
+# ram_rule does (methods/ram.py): b + (0 + Σ changed τ), which is b + τ_t where only agent t changed the element.
+# Counts are int32 sums per tile (at most 1,024 elements; float32 sums would not vectorise without reassociation).
+_KEPT = '''
+{zeros}
+    for j in range(m):  # in its own loop, like the codes: the rule's loop keeps vectorising
+        i = lo + j
+        b = {dec_base}
+{agents}
+{changed}
+        one = np.int32(({count}) == 1)
+{ram}
+        differs = np.int32({dec_ram} != {dec_out})
+{sums}
+{stores}
 '''
 _CODES = '''
     for j in range(m):  # the statistics' pattern code, in its own loop: folded into the one above, the
@@ -116,9 +137,10 @@ def _program_lines(p: Program) -> tuple[list[str], list[str], str]:
     return hoisted, body, names[p.out]
 
 
-def source(n: int, key: int, collect: bool, base: str = "uint16", agent: str = "uint16", out: str = "uint16") -> str:
+def source(n: int, key: int, collect: bool, base: str = "uint16", agent: str = "uint16", out: str = "uint16",
+           kept: bool = False) -> str:
     """Python source of the tile loop for ``n`` agents running program ``key`` (STATS_ONLY: none); dtypes are
-    the stored numpy names."""
+    the stored numpy names; ``kept``: also count what the written tile kept of a rescale (_KEPT)."""
     unpack = [f"    a{t} = agents[{t}]" for t in range(n)]
     lines = [f"        x{t} = {_DECODE[agent].format(x=f'a{t}[i]')} - b" for t in range(n)]
     if collect:
@@ -134,20 +156,36 @@ def source(n: int, key: int, collect: bool, base: str = "uint16", agent: str = "
             f"        x = tau[{t}, j]\n"
             f"        cd += (np.float32({1 << t}) + (np.float32({1 << (n + t)}) if x < zero else zero))"
             f" if abs(x) > eps else zero" for t in range(n)))
+    counted = ""
+    if kept and key != STATS_ONLY:
+        ts = range(n)
+        counted = _KEPT.format(
+            zeros="\n".join(f"    r{t} = np.int32(rescaled[{t}])\n    n{t} = np.int32(0)\n    k{t} = np.int32(0)"
+                            for t in ts),
+            dec_base=_DECODE[base].format(x="base[i]"), agents="\n".join(lines[:n]),
+            changed="\n".join(f"        c{t} = np.int32(abs(x{t}) > eps)" for t in ts),
+            count=" + ".join(f"c{t}" for t in ts),
+            ram="        v = b + (zero" + "".join(f" + (x{t} if c{t} else zero)" for t in ts) + ")\n"
+                + put_lines(out, "v", "        ").replace("out[i] = ", "rv = "),
+            dec_ram=_DECODE[out].format(x="rv"), dec_out=_DECODE[out].format(x="out[i]"),
+            sums="\n".join(f"        o{t} = c{t} & one & r{t}\n        n{t} += o{t}\n"
+                           f"        k{t} += o{t} & differs" for t in ts),
+            stores="\n".join(f"    kept[{t}, 0] += np.int64(n{t})\n    kept[{t}, 1] += np.int64(k{t})" for t in ts))
     return _BODY.format(unpack="\n".join(unpack), hoisted="\n".join(hoisted), agents="\n".join(lines), rule=rule,
-                        dec_base=_DECODE[base].format(x="base[i]"), codes=codes)
+                        dec_base=_DECODE[base].format(x="base[i]"), codes=codes, kept=counted)
 
 
-def _tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, key):  # type: ignore[no-untyped-def]
+def _tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, ram, key):  # type: ignore[no-untyped-def]
     raise NotImplementedError
 
 
 @overload(_tile)
-def _tile_ov(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, key):  # type: ignore[no-untyped-def]
+def _tile_ov(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, ram, key):  # type: ignore[no-untyped-def]
     if not isinstance(key, ProgramKeyType) or not isinstance(agents, types.UniTuple):
         return None
     collect = not isinstance(tau, types.NoneType)
-    src = source(agents.count, key.program, collect, str(base.dtype), str(agents.dtype.dtype), str(out.dtype))
+    src = source(agents.count, key.program, collect, str(base.dtype), str(agents.dtype.dtype), str(out.dtype),
+                 kept=not isinstance(kept, types.NoneType))
     scope = {"np": np, "_u32_as_f32": _u32_as_f32, "_f32_as_u32": _f32_as_u32}
     exec(src, scope)  # noqa: S102 source built above from a traced program
     return scope["tile"]
@@ -209,23 +247,27 @@ def _hist(code, m, hist):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True)
-def _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, key):  # type: ignore[no-untyped-def]
+def _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, rescaled, kept,  # type: ignore[no-untyped-def]
+           key):
     """Elements [lo, hi) tile by tile; statistics into ``hist``/``gram`` unless they are None (compiled out).
-    ``exact``: the Gram matrix from float64 products (a method's input, not only the report's)."""
+    ``exact``: the Gram matrix from float64 products (a method's input, not only the report's). ``kept`` [N, 2]
+    (None: compiled out) with ``rescaled`` [N]: what the written values kept of a rescale (_KEPT)."""
     n_agents = len(agents)
     bad = False
+    ram = np.empty(TILE if kept is not None else 0, dtype=out.dtype)  # RAM's values of a tile, rounded
     if hist is None:
         for start in range(lo, hi, TILE):
             m = np.uint64(min(TILE, hi - start))
             # unsigned offsets: indexing then needs no negative-index wraparound, and the loop vectorises
-            _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, None, None, eps, key)
+            _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, None, None, eps, rescaled, kept, ram,
+                  key)
         return bad
     tau = np.empty((n_agents, TILE), dtype=np.float32)
     code = np.empty(TILE, dtype=np.float32)
     gram_t = np.zeros((n_agents, n_agents), dtype=np.float64)
     for start in range(lo, hi, TILE):
         m = np.uint64(min(TILE, hi - start))
-        _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, tau, code, eps, key)
+        _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, tau, code, eps, rescaled, kept, ram, key)
         _hist(code, m, hist)
         gram_t[:] = 0.0
         if exact:
@@ -238,6 +280,7 @@ def _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exa
 
 
 @njit(nogil=True, cache=True)
-def fused_range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, key):  # type: ignore[no-untyped-def]
+def fused_range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, rescaled, kept,  # type: ignore[no-untyped-def]
+                key):
     """Elements [lo, hi) of one block through the program of ``key`` (a ProgramKey: one specialisation each)."""
-    return _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, key)
+    return _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, rescaled, kept, key)
