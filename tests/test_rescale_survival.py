@@ -120,7 +120,10 @@ def test_default_output_dtype(example, tmp_path: Path) -> None:
 def test_cli_shows_the_kept_column_and_refuses_an_unknown_dtype(example, tmp_path: Path, capsys) -> None:
     base, agents = example
     assert main(["merge", str(base), *map(str, agents), "-o", str(tmp_path / "o"), "--dtype", "bfloat16"]) == 0
-    assert "λ kept" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "λ kept" in printed and "(bfloat16)" in printed
+    assert main(["merge", str(base), *map(str, agents), "-o", str(tmp_path / "d")]) == 0
+    assert "(float32)" in capsys.readouterr().out
     assert main(["merge", str(base), *map(str, agents), "-o", str(tmp_path / "p"), "--dtype", "int8"]) == 2
     assert "float32, or base" in capsys.readouterr().err
 

@@ -142,7 +142,8 @@ def result_json(res: MergeResult) -> dict[str, Any]:
 
     return {"output": str(res.output), "method": res.method, "agents": agent_rows(res),
             "seconds": round(res.seconds, 3), "read_bytes": res.read_bytes, "write_bytes": res.write_bytes,
-            "warnings": res.warnings, **({"defaults": res.defaults} if res.defaults else {})}
+            "merged_dtypes": res.merged_dtypes, "warnings": res.warnings,
+            **({"defaults": res.defaults} if res.defaults else {})}
 
 
 def print_result(res: MergeResult) -> None:
@@ -159,7 +160,8 @@ def print_result(res: MergeResult) -> None:
         table.add_row(*(_fmt(c, row[c]) for c in cols))
     out.print(table)
     gb = (res.read_bytes + res.write_bytes) / 1e9
-    out.print(f"wrote [bold]{res.output}[/] in {res.seconds:.1f} s ({gb:.2f} GB read + written)")
+    out.print(f"wrote [bold]{res.output}[/] ({'/'.join(res.merged_dtypes)}) in {res.seconds:.1f} s "
+              f"({gb:.2f} GB read + written)")
 
 
 def _fmt(col: str, v: Any) -> str:

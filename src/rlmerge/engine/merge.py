@@ -48,6 +48,7 @@ class MergeResult:
     kept: list[float] | None = None  # per agent, the fraction of τ a magnitude trim kept (TIES), else None
     # per agent, the share of its rescaled unique elements whose written value keeps λ (RAM+), else None
     rescale_kept: list[float | None] | None = None
+    merged_dtypes: list[str] = field(default_factory=list)  # what the merged tensors were written in
     defaults: list[str] = field(default_factory=list)  # mergekit defaults a recipe took, in words
     per_tensor: dict[str, str] = field(default_factory=dict)  # parameters a recipe gave per tensor, in words
 
@@ -212,6 +213,7 @@ def rescale_survival(result: MergeResult, match: Match, notes: Mapping[str, Any]
 def finish_output(writer: Any, match: Match, result: MergeResult, recipe: Mapping[str, Any] | None) -> None:
     """After the last tensor: side files, the report and model card, then the writer's ``finish`` (the index,
     ``rlmerge.json``, the rename onto the output)."""
+    result.merged_dtypes = match.merged_dtypes
     _side_files(match.base, writer, match)
     # The statistics this merge already collected feed the report: no extra pass.
     doc = build_report(result.statistics, dtype_facts(match), base=match.base.label, warnings=result.warnings)
