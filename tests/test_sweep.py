@@ -205,3 +205,16 @@ def test_cli_recipe_and_a_resume_with_nothing_left(example, tmp_path: Path, caps
     again = json.loads(capsys.readouterr().out)
     assert again["ranking"] == first["ranking"] and (out / "report.md").read_bytes() == report
     assert main(["sweep", "--recipe", str(recipe), "-o", str(out), "--json"]) == 4  # neither --resume nor --force
+
+
+def test_cli_the_live_table_appears_with_the_first_candidate_not_before_the_checks(example, tmp_path: Path,
+                                                                                   capsys) -> None:
+    from rlmerge.cli import main
+
+    base, agents = example
+    args = ["sweep", str(base), str(agents[0]), "--candidate", "task_arithmetic scaling=0.5,1"]
+    assert main([*args[:3], str(tmp_path / "missing"), *args[3:], "-o", str(tmp_path / "bad")]) == 3
+    refused = capsys.readouterr().err
+    assert "missing" in refused and "candidate(s) scored" not in refused
+    assert main([*args, "-o", str(tmp_path / "ok")]) == 0
+    assert "rlmerge sweep: 2 candidate(s) scored" in capsys.readouterr().err

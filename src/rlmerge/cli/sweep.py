@@ -106,15 +106,15 @@ def _gather(models: list[str] | None, recipe: Path | None, grids: list[str] | No
 
 
 class _LiveTable:
-    """The candidates as they are scored, best average first (rich Live on stderr)."""
+    """The candidates as they are scored, best average first (rich Live on stderr). It appears with the first
+    candidate scored, so a sweep refused at its checks prints only the refusal."""
 
     def __init__(self, *, quiet: bool) -> None:
         self.rows: list[Scored] = []
-        self.live = None if quiet else Live(self._table(), console=err, refresh_per_second=4, transient=False)
+        self.quiet = quiet
+        self.live: Live | None = None
 
     def __enter__(self) -> _LiveTable:
-        if self.live is not None:
-            self.live.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -123,7 +123,12 @@ class _LiveTable:
 
     def add(self, s: Scored) -> None:
         self.rows.append(s)
-        if self.live is not None:
+        if self.quiet:
+            return
+        if self.live is None:
+            self.live = Live(self._table(), console=err, refresh_per_second=4, transient=False)
+            self.live.start()
+        else:
             self.live.update(self._table())
 
     def _table(self) -> Table:
