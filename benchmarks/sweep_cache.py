@@ -36,7 +36,8 @@ import json, sys, time
 import rlmerge
 job = json.loads(sys.argv[1])
 t0 = time.perf_counter()
-res = rlmerge.sweep(job["base"], job["agents"], job["out"], candidates=[job["grid"]], memory=job["memory"])
+res = rlmerge.sweep(job["base"], job["agents"], job["out"], candidates=[job["grid"]], memory=job["memory"],
+                    dtype=job["dtype"])
 print(json.dumps({"seconds": time.perf_counter() - t0, "statistics": res.statistics_passes,
                   "merges": res.merge_passes, "read_bytes": sum(s.read_bytes for s in res.scored),
                   "where": sorted({s.where for s in res.scored}), "n": len(res.scored)}))
@@ -70,6 +71,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=REPO / "bench-data")
     ap.add_argument("--size", default="0.5b")
     ap.add_argument("--grid", default="ram+ r=0.05,0.1,0.2,0.4 alpha=1,2")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="the candidates' output dtype (default bfloat16, as measured in docs/sweep.md; float32 is "
+                         "ram+'s own default)")
     args = ap.parse_args()
     base, agents = make_set(args.workdir / args.size, args.size)
     tmp = Path(tempfile.mkdtemp(prefix="rlmerge-bench-sweep-"))
@@ -80,7 +84,7 @@ def main() -> None:
             flags = [x for k, v in params.items() for x in ("--param", f"{k}={v}")]
             out = tmp / f"merge{i}"
             doc, wall, rss = timed(["-c", CLI, "merge", str(base), *map(str, agents), "-o", str(out),
-                                    "--method", "ram+", *flags, "--json", "--no-fsync", "-q"])
+                                    "--method", "ram+", *flags, "--dtype", args.dtype, "--json", "--no-fsync", "-q"])
             shutil.rmtree(out)
             total = [total[0] + wall, total[1] + doc["read_bytes"], max(total[2], rss)]
             print(f"merge {i}: {params} {wall:.1f} s, {doc['read_bytes'] / 1e9:.2f} GB read", flush=True)
@@ -88,7 +92,7 @@ def main() -> None:
         rows.append((f"{n} × rlmerge merge", total[0], f"{n} + {n}", total[1], total[2], "disk"))
         for memory in ("always", "never"):
             job = {"base": str(base), "agents": [str(a) for a in agents], "out": str(tmp / f"sweep-{memory}"),
-                   "grid": args.grid, "memory": memory}
+                   "grid": args.grid, "memory": memory, "dtype": args.dtype}
             doc, wall, rss = timed(["-c", SWEEP, json.dumps(job)])
             rows.append((f"rlmerge.sweep, {doc['n']} candidates", wall, f"{doc['statistics']} + {doc['merges']}",
                          doc["read_bytes"], rss, "/".join(doc["where"])))
