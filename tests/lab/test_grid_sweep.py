@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 pytest.importorskip("transformers")
 
 import rlmerge  # noqa: E402 - after the importorskip
+from conftest import lab_checkpoints  # noqa: E402
 from rlmerge.lab.evaluate import score_checkpoint  # noqa: E402
 from rlmerge.lab.grid import evaluate_candidates, pick  # noqa: E402
 from rlmerge.lab.tasks import FAMILIES, make_family, make_split  # noqa: E402
@@ -38,26 +39,8 @@ PROVENANCE = ("rlmerge.json", "README.md")  # name the sweep (its candidate, ran
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
     """A tiny lab base warmed up until it answers some validation examples right (coding, memory), and two
-    agents: the base plus sparse perturbations, so that merges of them score differently."""
-    from rlmerge.lab.model import ModelShape, build_model, save_bf16, warm_up
-    from rlmerge.lab.tokenizer import build_tokenizer
-
-    torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("lab-grid")
-    tok = build_tokenizer()
-    tok.chat_template = CHAT  # so that the chat view (SmolLM2's) can be asked of it too
-    model = build_model(tok, ModelShape(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64), 3)
-    warm_up(model, tok, steps=150, batch_size=16, seed=0, log_every=0, lr=1e-2)  # ~3 s
-    save_bf16(model, tok, root / "base")
-    base_state = {k: v.clone() for k, v in model.state_dict().items()}
-    agents = []
-    for i in (1, 2):
-        g = torch.Generator().manual_seed(i)
-        model.load_state_dict({k: v + 0.01 * torch.randn(v.shape, generator=g) * (torch.rand(v.shape, generator=g)
-                                                                               < 0.3) for k, v in base_state.items()})
-        save_bf16(model, tok, root / f"agent{i}")
-        agents.append(root / f"agent{i}")
-    return root / "base", agents
+    agents: the base plus sparse perturbations, so that merges of them score differently (~3 s)."""
+    return lab_checkpoints(tmp_path_factory.mktemp("lab-grid"), scale=0.01, warm_steps=150, chat_template=CHAT)
 
 
 def _val() -> dict[str, list[Any]]:
