@@ -30,6 +30,32 @@ def example(tmp_path: Path) -> tuple[Path, list[Path]]:
     return make_example(tmp_path / "in", shape=TINY)
 
 
+def lab_checkpoints(root: Path, *, scale: float = 0.02, warm_steps: int = 0,
+                    chat_template: str | None = None) -> tuple[Path, list[Path]]:
+    """A tiny lab model (``rlmerge.lab``) saved as ``root/base``, and two "fine-tunes" ``root/agent1``, ``agent2``:
+    the base plus perturbations of size ``scale`` on ~30 % of the elements. ``warm_steps`` of the lab's supervised
+    warm-up first (so that it answers some examples right); ``chat_template`` lets the chat view prompt it."""
+    from rlmerge.lab.model import ModelShape, build_model, save_bf16, warm_up
+    from rlmerge.lab.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    model = build_model(tok, ModelShape(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64), 3)
+    if warm_steps:
+        warm_up(model, tok, steps=warm_steps, batch_size=16, seed=0, log_every=0, lr=1e-2)
+    save_bf16(model, tok, root / "base")
+    base_state = {k: v.clone() for k, v in model.state_dict().items()}
+    agents = []
+    for i in (1, 2):
+        g = torch.Generator().manual_seed(i)
+        model.load_state_dict({k: v + scale * torch.randn(v.shape, generator=g) * (torch.rand(v.shape, generator=g)
+                                                                                < 0.3) for k, v in base_state.items()})
+        save_bf16(model, tok, root / f"agent{i}")
+        agents.append(root / f"agent{i}")
+    return root / "base", agents
+
+
 def load_output(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a (possibly sharded) safetensors checkpoint folder."""
     index = folder / "model.safetensors.index.json"

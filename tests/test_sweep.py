@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rlmerge
-from conftest import assert_same_tensors, load_output
+from conftest import assert_same_tensors, lab_checkpoints, load_output
 from rlmerge.engine.candidates import parse_all, parse_grid
 from rlmerge.errors import ConfigError, OutputError, RLMergeError
 from rlmerge.report.sweep import pareto
@@ -146,22 +146,7 @@ def test_resume_scores_only_what_a_stopped_sweep_did_not_finish(example, tmp_pat
 @pytest.fixture(scope="module")
 def lab_agents(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
     """A tiny lab model and two 'fine-tunes' of it (the base plus small perturbations)."""
-    from rlmerge.lab.model import ModelShape, build_model, save_bf16
-    from rlmerge.lab.tokenizer import build_tokenizer
-
-    root = tmp_path_factory.mktemp("lab")
-    tok = build_tokenizer()
-    model = build_model(tok, ModelShape(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64), 3)
-    save_bf16(model, tok, root / "base")
-    base_state = {k: v.clone() for k, v in model.state_dict().items()}
-    agents = []
-    for i in (1, 2):
-        g = torch.Generator().manual_seed(i)
-        model.load_state_dict({k: v + 0.02 * torch.randn(v.shape, generator=g) * (torch.rand(v.shape, generator=g)
-                                                                               < 0.3) for k, v in base_state.items()})
-        save_bf16(model, tok, root / f"agent{i}")
-        agents.append(root / f"agent{i}")
-    return root / "base", agents
+    return lab_checkpoints(tmp_path_factory.mktemp("lab"))
 
 
 def test_cli_sweep_on_lab_agents_scores_with_the_labs_own_scorer(lab_agents, tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """Scorers for ``rlmerge sweep``: the lab's verifiable tasks and lm-eval tasks, on a candidate in memory or on disk.
 
-A task is ``lab:FAMILY`` (tool_use, coding, memory: greedy answers checked by the family's verifier, accuracy in %)
+A task is ``lab:FAMILY`` (tool_use, coding, memory: greedy answers checked by the family's verifier, accuracy in %;
+``kind`` is how the model sees a family, ``rlmerge.lab.views``: ``word`` for the tiny lab's models, ``chat`` for an
+instruct model such as the lab's SmolLM2 base)
 or ``lm-eval:TASK`` (lm-evaluation-harness, the ``eval`` extra; its primary metric, ×100 so that both read as %).
 A bare name is a lab family when it is one, else an lm-eval task. Every score is higher-is-better: an lm-eval task
 whose primary metric is not an accuracy-like one (perplexity, a loss) is refused.
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .engine.sweep import Built
 from .errors import ConfigError
@@ -46,6 +48,10 @@ def load_model(built: Built) -> tuple[Any, Any]:
     if set(missing) - tied or unexpected:
         raise ConfigError(f"the merged tensors do not fit {type(model).__name__}: missing {sorted(missing)[:3]}, "
                           f"unexpected {sorted(unexpected)[:3]}", file=str(built.side_dir))
+    if (Path(built.side_dir) / "generation_config.json").is_file():  # as from_pretrained reads it from a folder
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(built.side_dir)
     model.eval()
     return model, load_tokenizer(built.side_dir)
 
@@ -82,6 +88,7 @@ class TaskScorer:
     include_path: list[str] = field(default_factory=list)
     num_fewshot: int | None = None
     batch_size: int = 8
+    kind: Literal["word", "chat"] = "word"  # how the model sees a lab task (rlmerge.lab.views)
 
     def __post_init__(self) -> None:
         self.lab, self.harness = split_names(self.tasks)
@@ -89,6 +96,8 @@ class TaskScorer:
             raise ConfigError("no tasks to score (--tasks)", hint="e.g. --tasks lab:tool_use,lab:coding")
         if self.split not in ("val", "test"):
             raise ConfigError(f"--split {self.split!r}", hint="val (to choose) or test (to report)")
+        if self.kind not in ("word", "chat"):
+            raise ConfigError(f"the lab tasks' view {self.kind!r}", hint="word (the tiny lab's models) or chat")
         if self.harness:
             from .lab.harness import UnknownTask, split_tasks
 
@@ -104,7 +113,8 @@ class TaskScorer:
     def settings(self) -> dict[str, Any]:
         """What decides the scores besides the model (recorded in results.json, checked by --resume)."""
         return {"tasks": self.names, "limit": self.limit, "split": self.split, "seed": self.seed,
-                "include_path": list(self.include_path), "num_fewshot": self.num_fewshot}
+                "include_path": list(self.include_path), "num_fewshot": self.num_fewshot,
+                **({"kind": self.kind} if self.kind != "word" else {})}  # a word sweep's --resume stays valid
 
     def __call__(self, built: Built) -> dict[str, float]:
         from .lab.evaluate import score_examples
@@ -112,7 +122,8 @@ class TaskScorer:
 
         model, tokenizer = load_model(built)
         scores = {f"lab:{f}": 100.0 * score_examples(model, tokenizer,
-                                                     make_split(make_family(f), self.split, self.limit, self.seed))
+                                                     make_split(make_family(f), self.split, self.limit, self.seed),
+                                                     self.kind)
                   for f in self.lab}
         if self.harness:
             from .lab.harness import run_harness

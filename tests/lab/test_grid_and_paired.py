@@ -1,4 +1,4 @@
-"""Grid search through the engine (float32 merges, best kept) and the paired confidence intervals."""
+"""Grid search through `rlmerge.sweep` (float32 merges, best kept) and the paired confidence intervals."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def test_grid_picks_the_best_validation_point_and_keeps_only_its_float32_merge(
     base, agents = models
     target = 2.0 * torch.tensor([0.5] * 4 + [0.25] * 4)  # reached at scaling 2.0
 
-    def score(path: Path) -> dict[str, float]:
-        w = load_file(path / "model.safetensors")["w"]
+    def score(built) -> dict[str, float]:  # rlmerge.Built: the sweep's candidate, here built in memory
+        w = built.tensors["w"]
         assert w.dtype == torch.float32  # scored as computed, not rounded back to bf16
         return {"fit": -float((w - target).abs().sum())}
 
@@ -49,8 +49,9 @@ def test_grid_picks_the_best_validation_point_and_keeps_only_its_float32_merge(
     chosen = pick(results)
     assert chosen.params == {"scaling": 2.0} and chosen.val_average == pytest.approx(0.0, abs=1e-6)
     assert [r.val_average < 0 for r in results] == [True, True, False, True]
-    kept = sorted(p.name for p in (tmp_path / "g").iterdir())
-    assert kept == ["candidate-2"] and chosen.path == tmp_path / "g" / "candidate-2"
+    kept = sorted(p.name for p in (tmp_path / "g").iterdir() if p.is_dir())
+    assert kept == ["best-1", "cache"] and chosen.path == tmp_path / "g" / "best-1"
+    assert load_file(chosen.path / "model.safetensors")["w"].dtype == torch.float32
     assert grid_position(grid, chosen.params) == {"scaling": "inside"}
     assert grid_position(grid, {"scaling": 0.5}) == {"scaling": "low edge"}
     assert grid_position({"scaling": [0.5, 3.0], "preset": ["paper"]}, {"scaling": 3.0, "preset": "paper"}) == {

@@ -200,12 +200,20 @@ def _resumed(folder: SweepDir, doc: dict[str, Any], cands: list[Candidate]) -> d
 
 def _summary(ordered: list[Scored], doc: dict[str, Any], *, output: Path | None) -> SweepResult:
     scored = [s for s in ordered if s.scores]
-    ranking = sorted(scored, key=lambda s: -(s.average or 0.0)) + [s for s in ordered if not s.scores]
+    ranking = sorted(scored, key=lambda s: -_tie(s.average or 0.0)) + [s for s in ordered if not s.scores]
     front = pareto([s.scores for s in scored])
     doc["tasks"] = list(dict.fromkeys(k for s in ordered for k in s.scores))
     doc["ranking"] = [s.candidate.id for s in ranking]
     doc["pareto"] = [scored[i].candidate.id for i in front]
     return SweepResult(ordered, ranking, [scored[i] for i in front], output=output)
+
+
+def _tie(average: float) -> float:
+    """The average to 12 significant digits: what ranks candidates. Scores are measured fractions, and the float
+    rounding of their sum must not break a tie: 3 of 48 right on one task, or 2 on one and 1 on another, average
+    2.0833333333333335 and 2.083333333333333 % over three tasks. The sort is stable, so of equal averages the
+    first candidate (in the order given: a grid lists its defaults first) ranks first."""
+    return float(f"{average:.12g}")
 
 
 def _keep(folder: SweepDir, ctx: Context, result: SweepResult, doc: dict[str, Any], cache: StatsCache, keep: int,

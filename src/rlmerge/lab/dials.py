@@ -97,7 +97,6 @@ def run_mechanism(seed_dir: Path, out: Path, *, seed: int, size_name: str = "tin
     size = SIZES[size_name]
     claim(out, [seed_dir], what="rlmerge lab --mechanism-from")
     test = _eval_sets(size, "test", size.n_test, seed)
-    val = _eval_sets(size, "val", size.n_val, seed)
     base = seed_dir / "base"
     _wait_for([base], "the lab's base")
     results: dict[str, Any] = {"seed": seed, "base": str(base), "settings": []}
@@ -114,7 +113,7 @@ def run_mechanism(seed_dir: Path, out: Path, *, seed: int, size_name: str = "tin
         _score(res, "Base", base, test, size.kind)
         for fam, path in zip(FAMILIES, agents, strict=True):
             _score(res, f"Specialist: {fam}", path, test, size.kind)
-        run_merges(size, base, agents, out / slug / "merges", test, val, res, MECHANISM_GRIDS)
+        run_merges(size, base, agents, out / slug / "merges", test, res, MECHANISM_GRIDS)
         shutil.rmtree(out / slug / "merges", ignore_errors=True)  # only the scores are kept
         results["settings"].append({"dial": asdict(dial), "seconds": time.time() - t, **asdict(res)})
         res_path.write_text(json.dumps(results, indent=1, default=str))

@@ -1,36 +1,42 @@
-"""Hyperparameter search on a validation split: merge every candidate, score it, keep the best.
+"""Hyperparameter search on a validation split: one `rlmerge.sweep` per method, the best merge kept.
 
-`evaluate_candidates` is the one function that does the search: candidates in, validation scores out. It
-merges through the lab's door to the engine (`merging.merge_checkpoints`, i.e. `rlmerge.merge`, written
-in float32 so that no method is rounded back to bf16 before it is scored). When the engine grows its own
-`rlmerge sweep`, that function is the only thing to replace. `pick` and `grid_position` read its output.
+`evaluate_candidates` is the one function that does the search: a row's grid in, validation scores out. It runs
+the engine's `rlmerge.sweep` once: every candidate is merged in float32 (so that no method is rounded back to
+bf16 before it is scored), in memory where it fits, and scored by the scorer the sweep calls (the lab's:
+`rlmerge.scorers.TaskScorer` on the validation split, in the view of the lab's models, `views.py`); only the
+sweep's best is written, as `best-1/` in the row's sweep folder. A cache the caller passes (`engine.cache.
+StatsCache`) lets the rows of one seed count each statistic once: RAM+'s counts serve every RAM+ row but
+magnitude-ρ's (its exact sums are not cached).
+`pick` is the sweep's ranking (best validation average, the first of equals: grids list defaults first);
+`grid_position` says where the pick sits in its grid.
 """
 
 from __future__ import annotations
 
-import shutil
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlmerge.lab.merging import merge_checkpoints
+from rlmerge.lab.merging import EngineUnavailable, MergeFailed, skip_reason
 
-# Validation scores of one checkpoint: family → accuracy in 0..1.
-Scorer = Callable[[Path], Mapping[str, float]]
+# A sweep's scorer: the built candidate (rlmerge.Built: tensors in memory or a folder) → task → score.
+Scorer = Callable[[Any], Mapping[str, float]]
 
 
 @dataclass
 class CandidateScore:
     params: dict[str, Any]
-    val: dict[str, float]  # family → validation accuracy (empty when the grid has one point: nothing to pick)
+    val: dict[str, float]  # task → validation score as the scorer gave it (the lab's: "lab:FAMILY" → accuracy in
+    #                        %); empty when the grid has one point: nothing to pick
     info: dict[str, Any] = field(default_factory=dict)  # what the engine reported (λ per agent for RAM+)
-    path: Path | None = None  # the merged checkpoint, kept for the chosen candidate only
+    path: Path | None = None  # the kept checkpoint (best-1), for the chosen candidate only
+    rank: int = 0  # place in the sweep's ranking (0: the chosen one)
 
     @property
     def val_average(self) -> float:
-        return statistics.fmean(self.val.values()) if self.val else 0.0
+        """The sweep's average of `val` (what it ranks by)."""
+        return sum(self.val.values()) / len(self.val) if self.val else 0.0
 
 
 def evaluate_candidates(
@@ -42,41 +48,60 @@ def evaluate_candidates(
     score: Scorer,
     *,
     extra: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    cache: Any = None,
 ) -> list[CandidateScore]:
-    """Merge each candidate (float32 output) and score it on validation; keep only the best merge on disk.
+    """Sweep the candidates (float32 output), score each on validation, keep only the best merge (`work/best-1`).
 
-    `extra` parameters go to every candidate but are not part of it (e.g. Fisher side-input paths).
-    A single candidate is merged but not scored. Raises the lab's EngineUnavailable / MergeFailed.
+    `work` is the sweep's folder (made by the sweep; an earlier sweep's is started over). `extra` parameters go
+    to every candidate but are not part of it (e.g. Fisher's side-input paths). A candidate's `seed` entry, if
+    any, is its seed (random methods: DARE, DELLA), else `seed`. A single candidate is merged but not scored.
+    Raises the lab's EngineUnavailable / MergeFailed.
     """
-    results: list[CandidateScore] = []
-    best: CandidateScore | None = None
-    for i, params in enumerate(candidates):
-        out = work / f"candidate-{i}"
-        info = merge_checkpoints(base, agents, out, method, {**params, **(extra or {})})
-        val = dict(score(out)) if len(candidates) > 1 else {}
-        cand = CandidateScore(dict(params), val, info, out)
-        results.append(cand)
-        if best is None or cand.val_average > best.val_average:
-            if best is not None:
-                _discard(best)
-            best = cand
-        else:
-            _discard(cand)
-    return results
+    reason = skip_reason(method)
+    if reason is not None:
+        raise EngineUnavailable(reason)
+    import rlmerge
+    from rlmerge.engine.candidates import Candidate
 
-
-def _discard(cand: CandidateScore) -> None:
-    # Only a folder this module just had the engine write (work/candidate-i) is removed.
-    if cand.path is not None:
-        shutil.rmtree(cand.path, ignore_errors=True)
-        cand.path = None
+    cands = []
+    for params in candidates:
+        merged = {k: v for k, v in {**params, **(extra or {})}.items() if k != "seed"}
+        cands.append(Candidate(method, tuple(merged.items()), int(params.get("seed", seed))))
+    settings = getattr(score, "settings", None)
+    try:
+        res = rlmerge.sweep(
+            base,
+            agents,
+            work,
+            candidates=cands,
+            scorer=score if len(cands) > 1 else None,
+            keep=1,
+            force=True,  # as the old loop overwrote its candidate folders: the lab reruns a row whole
+            dtype="float32",  # scored as the method computed it (the authors' script writes float32 too)
+            settings=settings() if callable(settings) else None,
+            cache=cache,
+        )
+        ids = [c.id for c in cands]
+    except rlmerge.RLMergeError as err:  # e.g. a preset or parameter this engine does not know
+        raise MergeFailed(str(err)) from err
+    scored = {s.candidate.id: s for s in res.scored}
+    rank = {s.candidate.id: i for i, s in enumerate(res.ranking)}
+    out = []
+    for params, cid in zip(candidates, ids, strict=True):
+        s = scored[cid]
+        info = {"lambdas": [float(x) for x in s.lambdas]} if s.lambdas is not None else {}
+        out.append(CandidateScore(dict(params), dict(s.scores), info, res.kept[0] if rank[cid] == 0 else None,
+                                  rank[cid]))
+    return out
 
 
 def pick(results: Sequence[CandidateScore]) -> CandidateScore:
-    """The candidate with the best validation average (the first of equals: grids list defaults first)."""
+    """The candidate the sweep ranked first: best validation average, the first of equals (grids list defaults
+    first; equal to 12 significant digits, so the float rounding of a sum does not break a tie)."""
     if not results:
         raise ValueError("no candidates were evaluated")
-    return max(results, key=lambda c: c.val_average)  # max keeps the first of equal keys
+    return min(results, key=lambda c: c.rank)  # min keeps the first of equal keys (a candidate given twice)
 
 
 def grid_position(grid: Mapping[str, Sequence[Any]], chosen: Mapping[str, Any]) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""The lab's only door to the merge engine: every merge goes through `merge_checkpoints` → `rlmerge.merge`.
+"""The lab's door to the merge engine: a fixed merge goes through `merge_checkpoints` → `rlmerge.merge`, a
+validation grid through `grid.evaluate_candidates` → `rlmerge.sweep`.
 
 The lab never implements a merge method itself. It knows which methods to try, with which small
 hyperparameter grid (chosen on a validation split), and skips, with a visible reason, any method the

@@ -1,7 +1,8 @@
 """The lab pipeline, top to bottom: base → three GRPO agents → task-vector stats → merges → test scores.
 
 Every stage writes into one folder per seed, and the run ends with results.json, table.md and plot.png
-in the output folder. Merges go only through `rlmerge.lab.merging.merge_checkpoints` (the engine).
+in the output folder. Merges go only through the engine: a row's validation grid is one `rlmerge.sweep`
+(`grid.evaluate_candidates`), a fixed merge `rlmerge.lab.merging.merge_checkpoints` (`rlmerge.merge`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any
 
 import torch
 
+from rlmerge.engine.cache import StatsCache
 from rlmerge.lab.density import PAPER_DENSITY, PAPER_UNIQUE_SHARE, task_vector_stats
-from rlmerge.lab.evaluate import score_checkpoint, score_checkpoint_each
+from rlmerge.lab.evaluate import score_checkpoint_each
 from rlmerge.lab.grid import evaluate_candidates, grid_position, pick
 from rlmerge.lab.grpo import GRPOSettings, train_agent
 from rlmerge.lab.merging import (
@@ -40,6 +42,7 @@ from rlmerge.lab.tasks import FAMILIES, Example, make_family, make_split
 from rlmerge.lab.tokenizer import build_tokenizer
 from rlmerge.lab.views import Kind
 from rlmerge.lab.workdir import claim
+from rlmerge.scorers import TaskScorer
 
 
 @dataclass(frozen=True)
@@ -161,29 +164,39 @@ def _note(params: dict[str, Any], info: dict[str, Any]) -> str:
     return note
 
 
+def val_scorer(size: LabSize, seed: int) -> TaskScorer:
+    """The scorer a row's sweep calls: every family's accuracy (%) on the seed's validation split, in the view of
+    the size's models (the examples `_eval_sets(size, "val", size.n_val, seed)` holds)."""
+    return TaskScorer([f"lab:{f}" for f in FAMILIES], limit=size.n_val, split="val", seed=seed, kind=size.kind)
+
+
 def _run_plan(
     plan: MethodPlan,
     size: LabSize,
     base: Path,
     agents: list[Path],
     work: Path,
-    val: dict[str, list[Example]],
+    seed: int,
     extra: dict[str, Any],
+    cache: StatsCache,
 ) -> tuple[Path, dict[str, Any]]:
-    """Search the plan's grid on validation; returns the chosen merge and what to report about the pick."""
+    """Search the plan's grid on validation (one sweep); returns the chosen merge and what to report about it."""
     candidates = plan.candidates()[: size.max_grid]
     slug = plan.label.replace(" ", "_").replace("/", "_").replace("(", "").replace(")", "")
+    # sweep-<row>: a folder name the grid loop before the sweep (merges/<row>/candidate-i) never used
     results = evaluate_candidates(
-        base, agents, plan.method, candidates, work / slug, lambda p: score_checkpoint(p, val, size.kind), extra=extra
+        base, agents, plan.method, candidates, work / f"sweep-{slug}", val_scorer(size, seed), extra=extra,
+        cache=cache,
     )
     chosen = pick(results)
-    assert chosen.path is not None  # evaluate_candidates keeps the best merge on disk
+    assert chosen.path is not None  # the sweep keeps the best merge on disk (best-1)
     return chosen.path, {
         "params": chosen.params,
         "note": _note(chosen.params, chosen.info),
         "position": grid_position({k: v for k, v in plan.grid.items()}, chosen.params),
         "grid_points": len(candidates),
-        "validation": [{"params": c.params, "val_average": c.val_average} for c in results],
+        # accuracy 0..1 as before the sweep (whose lab scores are in %)
+        "validation": [{"params": c.params, "val_average": c.val_average / 100.0} for c in results],
     }
 
 
@@ -232,11 +245,11 @@ def run_merges(
     agents: list[Path],
     work: Path,
     test: dict[str, list[Example]],
-    val: dict[str, list[Example]],
     res: SeedResult,
     methods: Sequence[MethodPlan],
 ) -> None:
-    """Every plan: grid on validation (float32 merges), the pick scored on test; skips say why."""
+    """Every plan: grid on validation (one sweep, float32 merges), the pick scored on test; skips say why."""
+    cache = StatsCache()  # the rows share the statistics of these inputs (in memory, for this seed)
     for plan in methods:
         reason = plan_skip_reason(plan)
         if reason is not None:
@@ -247,7 +260,7 @@ def run_merges(
         try:
             work.mkdir(parents=True, exist_ok=True)
             extra = _fisher_inputs(agents, work, size.n_fisher, res.seed, size.kind) if plan.needs_fisher else {}
-            chosen, pick_info = _run_plan(plan, size, base, agents, work, val, extra)
+            chosen, pick_info = _run_plan(plan, size, base, agents, work, res.seed, extra, cache)
         except (EngineUnavailable, MergeFailed) as err:
             # The engine refused these parameters (e.g. an unknown name): report, keep going.
             res.skipped[plan.label] = f"{type(err).__name__}: {err}"
@@ -274,7 +287,6 @@ def run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan])
         fam: density_by_magnitude(base, path) for fam, path in zip(FAMILIES, agents, strict=True)
     }
     test = _eval_sets(size, "test", size.n_test, seed)
-    val = _eval_sets(size, "val", size.n_val, seed)
     t = time.time()
     _score(res, "Base", base, test, size.kind)
     for fam, path in zip(FAMILIES, agents, strict=True):
@@ -286,7 +298,7 @@ def run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan])
             res.warnings.append(f"specialist {fam} does not beat the base on {fam}")
             _log(f"seed {seed}: WARNING specialist {fam} does not beat the base on its own task")
     t = time.time()
-    run_merges(size, base, agents, out / "merges", test, val, res, methods)
+    run_merges(size, base, agents, out / "merges", test, res, methods)
     res.timings["merges"] = time.time() - t
     t = time.time()
     if size.unique_rows:
