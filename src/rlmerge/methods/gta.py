@@ -27,8 +27,9 @@ from ..errors import ConfigError
 from ..params import check_range
 from ..stats import Statistics
 from ._l1 import LaneSum, l1_factors
-from ._ops import agree, combine, elect_sign, keep_window, row_length, row_ranks, uniform, weight_sum
+from ._ops import keep_window, row_length, row_ranks, uniform, weight_sum
 from ._select import ROUNDS, KthLargest, TieCut
+from .rule import Expr, Terms, program, torch_eval
 from .spec import BlockContext, MethodSpec
 from .task_arithmetic import Weights, agent_weights, each_weight
 
@@ -69,7 +70,7 @@ PRESETS: dict[str, Preset] = {
 
 @dataclass(frozen=True)
 class Combine:
-    """The combine step's constants, as every backend uses them (the torch steps in _ops.py, the numba kernels)."""
+    """The combine step's constants, as every backend uses them (``combine_rule`` on torch, the numba kernels)."""
 
     w: np.ndarray  # [N] float32 weights
     elect: bool  # TIES sign election
@@ -88,6 +89,30 @@ def combine_constants(name: str, preset: Preset, params: Any, n: int) -> Combine
     div = weight_sum(w)
     return Combine(w, preset.sign_election, bool(preset.normalize if params.normalize is None else params.normalize),
                    div if abs(div) >= 1e-8 else np.float32(1.0), np.float32(params.scaling))
+
+
+def combine_rule(t: Terms, p: tuple[bool, bool, bool]) -> Expr:
+    """θ₀ + scaling · Σ_t m_t u_t / (Σ_t m_t w_t with sign election, else Σ w) from u_t = ``t.x[t]``, the pruned,
+    rescaled and weighted τ; ``p`` = (elect, normalize, apply_scaling) of ``Combine``. The sign is elected by total
+    mass (+ where Σ_t u_t ≥ 0, mergekit's ``sum`` consensus), m_t is 1 where u_t has that sign strictly, and an
+    element no agent kept divides by 1, as mergekit does. Sums run over agents in order; kernels/select.py
+    ``combine_tile`` is the same operations per element."""
+    elect, normalize, scale = p
+    zero, one = t.lit(0.0), t.lit(1.0)
+    total = t.x[0]
+    for u in t.x[1:]:
+        total = total + u
+    if elect:
+        sign = t.where(total >= zero, one, t.lit(-1.0))
+        masks = [t.where(((u > zero) & (sign > zero)) | ((u < zero) & (sign < zero)), one, zero) for u in t.x]
+        total, den = t.x[0] * masks[0], t.agent.w[0] * masks[0]
+        for i in range(1, t.n):
+            total, den = total + t.x[i] * masks[i], den + t.agent.w[i] * masks[i]
+        if normalize:
+            total = total / t.where(den.eq(zero), one, den)
+    elif normalize:
+        total = total / t.const.div
+    return t.b + (total * t.const.scaling if scale else total)
 
 
 def per_agent(value: PerAgent, n: int, where: str, name: str) -> tuple[float, ...]:
@@ -466,12 +491,8 @@ def _merge(name: str, preset: Preset, base: torch.Tensor, deltas: torch.Tensor, 
         pruned = pruned / prob
     elif rescale == "l1":
         pruned = pruned * torch.from_numpy(obs.l1[ctx.name]).to(deltas.device).unsqueeze(-1)
-    weighted = pruned * w.unsqueeze(-1)
-    mask = agree(weighted, elect_sign(weighted)) if c.elect else None
-    mixed = combine(weighted, w, mask, normalize=c.normalize, div=c.div)
-    if c.apply_scaling:
-        mixed = mixed * c.scaling
-    return base + mixed
+    prog = program(combine_rule, (c.elect, c.normalize, c.apply_scaling), deltas.shape[0])
+    return torch_eval(prog, base, pruned * w.unsqueeze(-1), {"w": c.w, "div": c.div, "scaling": c.scaling})
 
 
 def _observer(preset: Preset) -> Any:
