@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import kernels
 from ..io.writer import CheckpointWriter
 from ..methods._l1 import CHUNK, l1_factors
 from ..methods._ops import chunk_seed, row_length
@@ -28,20 +29,6 @@ RESCALE = {"none": 0, "inverse": 1, "l1": 2}  # _numba_dare.RESCALE_*
 # they take at most this many bytes (N agents · numel / 8; the 0.5B set's embedding: 51 MB); a larger tensor
 # draws (and ranks) again
 MASK_BYTES = 64 << 20
-
-
-def merge_range(*args: Any) -> bool:
-    """The DARE / DELLA merge rule over [lo, hi) of one block (_numba_dare.merge_range); True: τ not finite."""
-    from ..kernels.dare import merge_range as kernel
-
-    return bool(kernel(*args))
-
-
-def l1_range(*args: Any) -> bool:
-    """The L1 sums' lanes over [lo, hi) of one block (_numba_dare.l1_range); True when τ is not finite."""
-    from ..kernels.dare import l1_range as kernel
-
-    return bool(kernel(*args))
 
 
 def pieces(start: int, n: int, threads: int) -> list[tuple[int, int]]:
@@ -158,18 +145,16 @@ class RandomBackend:
 
     def _merge_block(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                      factor: np.ndarray, merged: np.ndarray, mask: np.ndarray) -> None:
-        self._threads(job, start, base, agents, lambda lo, hi: merge_range(
+        self._threads(job, start, base, agents, lambda lo, hi: kernels.dare_merge_range(
             base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, self.rescale, factor, self.c.w,
             self.c.elect, self.c.normalize, self.c.div, self.c.scaling, self.c.apply_scaling, merged, mask))
 
     def _l1_block(self, job: Job, start: int, stop: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                   l1: _L1Sums) -> None:
-        from ..kernels.dare import fold
-
         part = np.empty((2, self.n, (stop - 1) // CHUNK - start // CHUNK + 1, 8), dtype=np.float64)
-        self._threads(job, start, base, agents, lambda lo, hi: l1_range(
+        self._threads(job, start, base, agents, lambda lo, hi: kernels.dare_l1_range(
             base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, l1.carry, part, l1.bits))
-        fold(part, l1.carry, l1.total, start, stop, job.numel)
+        kernels.dare_fold(part, l1.carry, l1.total, start, stop, job.numel)
 
 
 class _L1Sums:
