@@ -23,7 +23,6 @@ from .match import Job
 if TYPE_CHECKING:
     from .backends import Run
 
-DRAWING = ("random", "magprune")  # the sparsify presets that draw their keep masks
 RESCALE = {"none": 0, "inverse": 1, "l1": 2}  # _numba_dare.RESCALE_*
 # ``l1``: the keep bits of a tensor, from its L1 sums, are kept for its merge (no second draw and ranking) when
 # they take at most this many bytes (N agents · numel / 8; the 0.5B set's embedding: 51 MB); a larger tensor

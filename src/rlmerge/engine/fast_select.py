@@ -24,8 +24,6 @@ if TYPE_CHECKING:
     from .backends import Run
     from .cache import CacheView
 
-SELECTING = ("magnitude", "magnitude-global", "outliers")  # the sparsify presets that keep a window of |τ|
-
 
 def selects(obs: GtaObserver, job: Job) -> bool:
     """Whether a tensor needs thresholds of its own (per-tensor presets with a density below 1)."""

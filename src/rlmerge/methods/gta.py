@@ -47,6 +47,12 @@ class Preset:
     paper: str
     summary: str
 
+    @property
+    def windowed(self) -> bool:
+        """It keeps a window of |τ| whose bounds an exact selection finds (TIES, Breadcrumbs); else it draws its
+        keep masks (DARE, DELLA), and the seed is part of what it merges."""
+        return self.prune in ("magnitude", "magnitude-global", "outliers")
+
 
 PRESETS: dict[str, Preset] = {
     "ties": Preset("magnitude", True, True, "arXiv:2306.01708",
@@ -311,7 +317,7 @@ class GtaObserver:
 
     @property
     def needs_selection(self) -> bool:
-        return self.preset.prune in ("magnitude", "magnitude-global", "outliers")
+        return self.preset.windowed
 
     @property
     def needs_l1(self) -> bool:
@@ -459,7 +465,7 @@ def prune_block(preset: Preset, obs: GtaObserver, deltas: torch.Tensor,
     """(pruned τ [N, n] before any L1 factor, per-element keep probability [N, n] for ``inverse`` or None)."""
     n_agents, n = deltas.shape
     numel = math.prod(ctx.shape)
-    if preset.prune in ("magnitude", "magnitude-global", "outliers"):
+    if preset.windowed:
         lo, hi = torch.from_numpy(obs.window(ctx.name)).to(deltas.device)
         cuts = obs.cuts_of(ctx.name)
         if cuts is None:
