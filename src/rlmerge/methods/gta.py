@@ -31,11 +31,10 @@ from ._ops import keep_window, row_length, row_ranks, uniform, weight_sum
 from ._select import ROUNDS, KthLargest, TieCut
 from .rule import Expr, Terms, program, torch_eval
 from .spec import BlockContext, MethodSpec
-from .task_arithmetic import Weights, agent_weights, each_weight
+from .task_arithmetic import PerAgent, Weights, agent_weights, check_each, each, per_agent
 
 Prune = Literal["magnitude", "magnitude-global", "random", "outliers", "magprune"]
 Rescale = Literal["inverse", "l1", "none"]
-PerAgent = float | tuple[float, ...]
 INF = math.inf
 
 
@@ -121,23 +120,9 @@ def combine_rule(t: Terms, p: tuple[bool, bool, bool]) -> Expr:
     return t.b + (total * t.const.scaling if scale else total)
 
 
-def per_agent(value: PerAgent, n: int, where: str, name: str) -> tuple[float, ...]:
-    if isinstance(value, tuple):
-        if len(value) != n:
-            raise ConfigError(f"{where}: {len(value)} value(s) of {name} given for {n} agent(s)",
-                              hint="give one value, or one per agent in the order the agents are listed")
-        return value
-    return (float(value),) * n
-
-
-def _each(value: PerAgent) -> tuple[float, ...]:
-    return value if isinstance(value, tuple) else (value,)
-
-
 def _common_checks(where: str, weights: Weights, scaling: float) -> None:
     check_range(where, "scaling", scaling, -10.0, 10.0)
-    for w in each_weight(weights):
-        check_range(where, "weight", w, -10.0, 10.0)
+    check_each(where, "weight", weights, -10.0, 10.0)
 
 
 TieBreak = Literal["index", "keep-all"]
@@ -158,8 +143,7 @@ class TiesParams:
     tie_break: TieBreak | None = None  # None: the method's (ties: index, ties_global: keep-all)
 
     def __post_init__(self) -> None:
-        for d in _each(self.density):
-            check_range("ties", "density", d, 0.0, 1.0, lo_open=True)
+        check_each("ties", "density", self.density, 0.0, 1.0, lo_open=True)
         _common_checks("ties", self.weights, self.scaling)
 
 
@@ -182,15 +166,13 @@ class DareParams:
         if self.p is not None and self.density is not None:
             raise ConfigError("dare: give either p (drop rate) or density (keep rate = 1 − p), not both")
         if self.p is not None:
-            for p in _each(self.p):
-                check_range("dare", "p", p, 0.0, 1.0, hi_open=True)
-            keep = tuple(1.0 - p for p in _each(self.p))
+            check_each("dare", "p", self.p, 0.0, 1.0, hi_open=True)
+            keep = tuple(1.0 - p for p in each(self.p))
             object.__setattr__(self, "density", keep if isinstance(self.p, tuple) else keep[0])
         elif self.density is None:
             object.__setattr__(self, "p", 0.9)
             object.__setattr__(self, "density", 1.0 - 0.9)
-        for d in _each(self.density):  # type: ignore[arg-type]
-            check_range("dare", "density", d, 0.0, 1.0, lo_open=True)
+        check_each("dare", "density", self.density, 0.0, 1.0, lo_open=True)
         _common_checks("dare", self.weights, self.scaling)
 
 
@@ -205,10 +187,8 @@ class BreadcrumbsParams:
     scaling: float = 1.0
 
     def __post_init__(self) -> None:
-        for d in _each(self.density):
-            check_range("breadcrumbs", "density", d, 0.0, 1.0, lo_open=True)
-        for g in _each(self.gamma):
-            check_range("breadcrumbs", "gamma", g, 0.0, 1.0, hi_open=True)
+        check_each("breadcrumbs", "density", self.density, 0.0, 1.0, lo_open=True)
+        check_each("breadcrumbs", "gamma", self.gamma, 0.0, 1.0, hi_open=True)
         _common_checks("breadcrumbs", self.weights, self.scaling)
 
 
@@ -224,13 +204,10 @@ class DellaParams:
     scaling: float = 1.0
 
     def __post_init__(self) -> None:
-        for d in _each(self.density):
-            check_range("della", "density", d, 0.0, 1.0, lo_open=True)
-        for e in _each(self.epsilon):
-            check_range("della", "epsilon", e, 0.0, 0.5, hi_open=True)
-        dens, eps = _each(self.density), _each(self.epsilon)
-        for d in dens:
-            for e in eps:
+        check_each("della", "density", self.density, 0.0, 1.0, lo_open=True)
+        check_each("della", "epsilon", self.epsilon, 0.0, 0.5, hi_open=True)
+        for d in each(self.density):
+            for e in each(self.epsilon):
                 if d < 1.0 and (d - e <= 0 or d + e >= 1):  # density 1 keeps everything (mergekit: no pruning)
                     raise ConfigError(f"della: density ± epsilon = {d} ± {e} leaves (0, 1)",
                                       hint="choose epsilon < min(density, 1 − density)")
