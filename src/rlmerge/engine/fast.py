@@ -270,29 +270,32 @@ def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar
             bar.tensor_done()
 
 
-def next_block(blocks: Iterator[Any], job: Job, fast: FastPath | None = None, ts: TensorStats | None = None,
-               args: RuleArgs | None = None) -> tuple[int, int, _Slot, np.ndarray, Any]:
-    """The next block of ``blocks``, which must belong to ``job``: (start, stop, slot, base, agents); counted
-    into ``ts`` by ``fast``'s statistics kernel (``args``: stats_args) when ``ts`` is given."""
-    bjob, start, stop, slot, base, agents = next(blocks)
-    if bjob is not job:
-        raise RuntimeError(f"fast path out of step: expected {job.name}, got {bjob.name}")
-    if fast is not None and ts is not None and args is not None:
-        fast.run(job, start, base, agents, args, None, ts)
-    return start, stop, slot, base, agents
+def job_reads(fast: FastPath, blocks: Iterator[Any], job: Job, reads: int, ts: TensorStats | None = None,
+              args: RuleArgs | None = None) -> Iterator[tuple[int, int, int, _Slot, np.ndarray, Any]]:
+    """The blocks of ``reads`` reads of ``job`` from ``blocks`` (``FastPath.blocks``), as (read, start, stop, slot,
+    base, agents); the first read's are counted into ``ts`` by the statistics kernel (``args``: stats_args) when
+    both are given. A read ends at the block with stop = job.numel."""
+    for read in range(reads):
+        for _ in range(-(-job.numel // fast.step(job))):
+            bjob, start, stop, slot, base, agents = next(blocks)
+            if bjob is not job:
+                raise RuntimeError(f"fast path out of step: expected {job.name}, got {bjob.name}")
+            if read == 0 and ts is not None and args is not None:
+                fast.run(job, start, base, agents, args, None, ts)
+            yield read, start, stop, slot, base, agents
 
 
 def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: RuleArgs, ts: TensorStats | None,
                    out: CheckpointWriter, bar: Any) -> None:
     """All blocks of one eligible job: fused kernel, statistics into ``ts`` when given, queued write."""
-    for _ in range(-(-job.numel // fast.step(job))):
-        start, stop, slot, base, agents = next_block(blocks, job)
+    for _, start, stop, slot, base, agents in job_reads(fast, blocks, job, 1):
         merged = fast.out_view(slot, job, stop - start)
         fast.run(job, start, base, agents, args, merged, ts)
-        write_slot(out, slot, merged)
-        bar.advance((stop - start) * job.out_dtype.itemsize)
+        write_slot(out, slot, merged, bar)
 
 
-def write_slot(out: CheckpointWriter, slot: _Slot, merged: np.ndarray) -> None:
-    """Queue a slot's output; the slot is reused only once it is written (``FastPath.blocks`` waits)."""
+def write_slot(out: CheckpointWriter, slot: _Slot, merged: np.ndarray, bar: Any) -> None:
+    """Queue a slot's output and count it on ``bar``; the slot is reused only once it is written
+    (``FastPath.blocks`` waits)."""
     slot.written = out.write_later(memoryview(merged.view(np.uint8)))
+    bar.advance(merged.nbytes)

@@ -17,7 +17,7 @@ from ..methods._l1 import CHUNK, l1_factors
 from ..methods._ops import chunk_seed, row_length
 from ..methods.gta import combine_constants, magprune_epsilon, per_agent
 from ..stats import TensorStats
-from .fast import FastPath, next_block, statistics_pass_fast, stats_args, write_slot
+from .fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
 from .match import Job
 
 if TYPE_CHECKING:
@@ -114,33 +114,23 @@ class RandomBackend:
 
     def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
         """All reads of one job (``reads(job)`` times its blocks): L1 sums if asked, then the fused merge."""
-        fast, blocks = self.fast, self._blocks
-        nblocks = -(-job.numel // fast.step(job))
         seeds = self._seeds(job)
         self._constants(job)
-
-        def take() -> tuple[int, int, Any, np.ndarray, np.ndarray]:  # counted on the first read only
-            return next_block(blocks, job, fast, ts if first_read else None, self.stats_args)
-
-        first_read = True
+        reads = self.reads(job)
         l1 = _L1Sums(self.n, self._mask(job)) if self.rescale == RESCALE["l1"] else None
         factor = self.ones
-        if l1 is not None and self.reads(job) == 2:
-            for _ in range(nblocks):
-                start, stop, _slot, base, agents = take()
+        for read, start, stop, slot, base, agents in job_reads(self.fast, self._blocks, job, reads, ts,
+                                                               self.stats_args):
+            if l1 is not None and read == 0:  # the L1 sums (with one read: of the whole tensor, this block)
                 self._l1_block(job, start, stop, base, agents, seeds, l1)
-            first_read = False
-            factor = l1.factors()
-        for _ in range(nblocks):
-            start, stop, slot, base, agents = take()
-            if l1 is not None and self.reads(job) == 1:  # the whole tensor is this block
-                self._l1_block(job, start, stop, base, agents, seeds, l1)
-                factor = l1.factors()
-            merged = fast.out_view(slot, job, stop - start)
+                if stop == job.numel:
+                    factor = l1.factors()
+                if reads == 2:
+                    continue
+            merged = self.fast.out_view(slot, job, stop - start)
             self._merge_block(job, start, base, agents, seeds, factor, merged,
                               l1.bits if l1 is not None else self.no_mask)
-            write_slot(out, slot, merged)
-            bar.advance((stop - start) * job.out_dtype.itemsize)
+            write_slot(out, slot, merged, bar)
 
     def _merge_block(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                      factor: np.ndarray, merged: np.ndarray, mask: np.ndarray) -> None:
