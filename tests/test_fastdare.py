@@ -106,7 +106,7 @@ def test_keep_mask_is_the_torch_paths(block: int, rescale: str) -> None:
     name, numel, seed = "model.layers.0.mlp.up_proj.weight", 3 * CHUNK + 1234, 11
     u0 = uniform(seed, 0, name, numel, 0, numel)
     dens = np.array([u0[CHUNK + 5].item(), 0.3], dtype=np.float32)  # a u that sits exactly on the density
-    factor = np.array([1.5, 0.75], dtype=np.float32)
+    factor = np.array([1.5, 0.75] if rescale == "l1" else [1.0, 1.0], dtype=np.float32)  # none: × 1, exact
     seeds = np.array([[chunk_seed(seed, t, name, c) & 0xFFFFFFFF for c in range(4)] for t in range(2)],
                      dtype=np.uint32)
     tau = np.array([1.0, 2.0], dtype=np.float32)  # the output tells the two agents' masks apart

@@ -39,8 +39,8 @@ def _draw(states, idx, u, m):  # type: ignore[no-untyped-def]
 
 @njit(nogil=True, cache=True)
 def _prune_tile(base, agents, lo, m, u, prob, rescale, factor, w, b32, wtd):  # type: ignore[no-untyped-def]
-    """wtd[t] = prune_block's τ · keep (keep: u < p, p = prob[t, j]), rescaled (÷ p, × the L1 factor, or not),
-    · w_t (gta.py ``_merge``). True: τ not finite."""
+    """wtd[t] = prune_block's τ · keep (keep: u < p, p = prob[t, j]), rescaled (÷ p, or × ``factor``: the L1
+    factor, 1 without a rescale, which is exact), · w_t (gta.py ``_merge``). True: τ not finite."""
     zero = np.float32(0.0)
     one = np.float32(1.0)
     bad = False
@@ -57,16 +57,11 @@ def _prune_tile(base, agents, lo, m, u, prob, rescale, factor, w, b32, wtd):  # 
                 x = _dec(a[lo + j]) - b32[j]
                 bad |= not np.isfinite(x)
                 row[j] = ((x * (one if ut[j] < pt[j] else zero)) / pt[j]) * wt
-        elif rescale == RESCALE_L1:
-            for j in range(m):
-                x = _dec(a[lo + j]) - b32[j]
-                bad |= not np.isfinite(x)
-                row[j] = ((x * (one if ut[j] < pt[j] else zero)) * f) * wt
         else:
             for j in range(m):
                 x = _dec(a[lo + j]) - b32[j]
                 bad |= not np.isfinite(x)
-                row[j] = (x * (one if ut[j] < pt[j] else zero)) * wt
+                row[j] = ((x * (one if ut[j] < pt[j] else zero)) * f) * wt
     return bad
 
 
