@@ -25,16 +25,11 @@ if TYPE_CHECKING:
     from .cache import CacheView
 
 
-def selects(obs: GtaObserver, job: Job) -> bool:
-    """Whether a tensor needs thresholds of its own (per-tensor presets with a density below 1)."""
-    return obs.selects(job.name, job.numel)
-
-
 def select_reads(obs: GtaObserver, job: Job, block: int, cached: CacheView | None = None) -> int:
     """Reads of ``job`` in the merge pass: one per selection round and one to merge, unless it fits in one
     block (then it is read once and selected in memory). A cached window: one read; a cached round-0
     histogram: one round fewer."""
-    if not selects(obs, job) or job.numel <= block:
+    if not obs.selects(job.name, job.numel) or job.numel <= block:
         return 1
     if cached is not None:  # (a whole-model window is found in the statistics pass, not here)
         if cached.window(obs, job.name) is not None:
@@ -138,7 +133,7 @@ class SelectBackend:
     def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
         """All reads of one job (``reads(job)`` times its blocks): thresholds, then the fused merge."""
         reads = self._reads[job.name]
-        own = selects(self.obs, job)
+        own = self.obs.selects(job.name, job.numel)
         window = None
         if not self.whole_model:
             self.obs.begin_tensor(job.name, job.numel)  # its ranks and default window
