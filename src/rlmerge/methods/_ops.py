@@ -54,16 +54,6 @@ def weight_sum(w: np.ndarray) -> np.float32:
     return np.float32(np.sum(np.asarray(w, dtype=np.float32), dtype=np.float64))
 
 
-def keep_window(absd: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, cut: torch.Tensor | None = None,
-                index: torch.Tensor | None = None) -> torch.Tensor:
-    """Mask [N, n] of lo_t ≤ |τ_t| ≤ hi_t (lo/hi [N]); ties at either end are kept, or with ``cut`` [N] (TIES'
-    exact k) |τ_t| = lo_t only at flat ``index`` [n] < cut_t."""
-    above = absd >= lo.unsqueeze(-1)
-    if cut is not None and index is not None:
-        above = (absd > lo.unsqueeze(-1)) | ((absd == lo.unsqueeze(-1)) & (index < cut.unsqueeze(-1)))
-    return above & (absd <= hi.unsqueeze(-1))
-
-
 def row_ranks(absd: torch.Tensor, row: int) -> torch.Tensor:
     """Rank of each |τ| within its row, normalised to [0, 1] (0 smallest); ties ordered by position.
 

@@ -25,9 +25,8 @@ import numpy as np
 from .._torch import torch
 from ..errors import ConfigError
 from ..params import check_range
-from ..stats import Statistics
 from ._l1 import LaneSum, l1_factors
-from ._ops import keep_window, row_length, row_ranks, uniform, weight_sum
+from ._ops import row_length, row_ranks, uniform, weight_sum
 from ._select import ROUNDS, KthLargest, TieCut
 from .rule import Expr, Terms, program, torch_eval
 from .spec import BlockContext, MethodSpec
@@ -442,13 +441,14 @@ def prune_block(preset: Preset, obs: GtaObserver, deltas: torch.Tensor,
     """(pruned τ [N, n] before any L1 factor, per-element keep probability [N, n] for ``inverse`` or None)."""
     n_agents, n = deltas.shape
     numel = math.prod(ctx.shape)
-    if preset.windowed:
-        lo, hi = torch.from_numpy(obs.window(ctx.name)).to(deltas.device)
-        cuts = obs.cuts_of(ctx.name)
-        if cuts is None:
-            return deltas * keep_window(deltas.abs(), lo, hi), None
-        index = torch.arange(ctx.start, ctx.stop, device=deltas.device)
-        return deltas * keep_window(deltas.abs(), lo, hi, torch.from_numpy(cuts).to(deltas.device), index), None
+    if preset.windowed:  # keep lo_t ≤ |τ_t| ≤ hi_t; with TIES' exact k |τ_t| = lo_t only at flat index < cut_t
+        absd, cuts = deltas.abs(), obs.cuts_of(ctx.name)
+        lo, hi = torch.from_numpy(obs.window(ctx.name)).to(deltas.device).unsqueeze(-1)  # [N, 1] each
+        above = absd >= lo
+        if cuts is not None:
+            index = torch.arange(ctx.start, ctx.stop, device=deltas.device)
+            above = (absd > lo) | ((absd == lo) & (index < torch.from_numpy(cuts).to(deltas.device).unsqueeze(-1)))
+        return deltas * (above & (absd <= hi)), None
     u = torch.stack([uniform(ctx.seed, t, ctx.name, numel, ctx.start, ctx.stop) for t in range(n_agents)])
     u = u.to(deltas.device)
     dens = torch.tensor(obs.density_of(ctx.name), dtype=torch.float32, device=deltas.device).unsqueeze(-1)  # [N, 1]
@@ -478,18 +478,9 @@ def _merge(name: str, preset: Preset, base: torch.Tensor, deltas: torch.Tensor, 
     return torch_eval(prog, base, pruned * w.unsqueeze(-1), {"w": c.w, "div": c.div, "scaling": c.scaling})
 
 
-def _observer(preset: Preset) -> Any:
-    def make(params: Any, n: int, at: Callable[[str], Any] | None = None) -> GtaObserver | None:
-        obs = GtaObserver(preset, params, n, at)
-        return obs if (obs.needs_selection or obs.needs_l1) else None
-    return make
-
-
-def _prepare(preset: Preset) -> Any:
-    def prepare(params: Any, stats: Statistics | None, n: int) -> GtaObserver:
-        obs = getattr(stats, "observed", None)
-        return obs if obs is not None else GtaObserver(preset, params, n)
-    return prepare
+def _needed(obs: GtaObserver) -> GtaObserver | None:
+    """The observer, if the statistics pass has anything to find for it (thresholds, L1 sums)."""
+    return obs if (obs.needs_selection or obs.needs_l1) else None
 
 
 def _spec(name: str, params: type) -> MethodSpec:
@@ -499,7 +490,8 @@ def _spec(name: str, params: type) -> MethodSpec:
     return MethodSpec(
         name, preset.summary, preset.paper, scope, params,  # type: ignore[arg-type]
         lambda b, d, p, c: _merge(name, preset, b, d, p, c),
-        prepare=_prepare(preset), observer=_observer(preset), sparsify=preset,
+        prepare=lambda p, stats, n: getattr(stats, "observed", None) or GtaObserver(preset, p, n),
+        observer=lambda p, n, at=None: _needed(GtaObserver(preset, p, n, at)), sparsify=preset,
         row_blocks=lambda p: preset.prune == "magprune", epsilon=lambda p: 1e-5,
         per_tensor=lambda p: _per_tensor(preset, p), check=lambda p, n: _check_tie_break(name, preset, p))
 
