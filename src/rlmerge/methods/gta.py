@@ -304,7 +304,7 @@ class GtaObserver:
         if ctx.start == 0 and ctx.name != self._name:
             self.begin_tensor(ctx.name, numel)
         if self.cut is not None:  # the stream after the selection: where the ties at the threshold stop
-            self.cut.feed(ctx.start, deltas.abs())
+            self.cut.feed(ctx.start, deltas.abs().cpu().numpy())
             return
         if self.needs_selection and self._sel is not None:
             if self._sel.round == 0 and self.preset.prune == "magnitude-global":
