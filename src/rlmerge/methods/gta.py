@@ -1,6 +1,7 @@
 """Sparsify-then-combine task-vector baselines: TIES, DARE (+TA / +TIES), Breadcrumbs, DELLA.
 
-One rule serves them all (mergekit's "generalized task arithmetic"; the steps are in ``_ops.py``):
+One rule serves them all (mergekit's "generalized task arithmetic"; the pruning steps are in ``_ops.py``, the
+combine step after them is the rule ``combine_rule``, which kernels/select.combine_tile does per element):
 
     τ̃_t = prune(τ_t) · rescale_t              per agent: magnitude top-k, random drop, outlier window, MagPrune
     u_t = w_t · τ̃_t
