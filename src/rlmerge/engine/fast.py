@@ -232,13 +232,10 @@ class FastPath:
         # slices start at multiples of the kernels' tile: the tiles, and so the statistics' float32 partial
         # sums, are the same whatever the number of threads
         step = -(-n // self.threads // kernels.TILE) * kernels.TILE if n > kernels.TILE else n
-        parts = [(k, min(n, k * step), min(n, (k + 1) * step)) for k in range(self.threads)]
-        if self.threads == 1:
-            return [fn(*parts[0])]
-        return list(self._compute.map(lambda a: fn(*a), parts))
+        return self.run_parts([(k, min(n, k * step), min(n, (k + 1) * step)) for k in range(self.threads)], fn)
 
-    def run_parts(self, parts: list[tuple[int, int]], fn: Callable[[int, int], Any]) -> list[Any]:
-        """``fn(lo, hi)`` on the compute threads, one call per given slice (fastdare cuts at chunk boundaries)."""
+    def run_parts(self, parts: list[tuple[int, ...]], fn: Callable[..., Any]) -> list[Any]:
+        """``fn(*part)`` on the compute threads, one call per given part (fast_random cuts at chunk boundaries)."""
         if len(parts) == 1:
             return [fn(*parts[0])]
         return list(self._compute.map(lambda a: fn(*a), parts))

@@ -82,6 +82,7 @@ _DECODE = {"uint16": "_u32_as_f32(np.uint32({x}) << np.uint32(16))",  # bfloat16
            "float32": "{x}"}
 _SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/", "gt": ">", "ge": ">=", "lt": "<", "le": "<=",
            "eq": "==", "ne": "!=", "and": "&", "or": "|"}
+_UNARY = {"neg": "-{}", "not": "not {}", "abs": "abs({})"}
 
 
 def _program_lines(p: Program) -> tuple[list[str], list[str], str]:
@@ -102,12 +103,8 @@ def _program_lines(p: Program) -> tuple[list[str], list[str], str]:
             hoisted.append(f"    {v} = agent_consts[{p.agent_consts.index(op.args[0])}, {op.args[1]}]")
         elif op.name in BINARY:
             body.append(f"        {v} = {args[0]} {_SYMBOL[op.name]} {args[1]}")
-        elif op.name == "neg":
-            body.append(f"        {v} = -{args[0]}")
-        elif op.name == "not":
-            body.append(f"        {v} = not {args[0]}")
-        elif op.name == "abs":
-            body.append(f"        {v} = abs({args[0]})")
+        elif op.name in _UNARY:
+            body.append(f"        {v} = {_UNARY[op.name].format(args[0])}")
         elif op.name == "where":  # a select, not a branch: both sides are computed
             body.append(f"        {v} = {args[1]} if {args[0]} else {args[2]}")
         else:
