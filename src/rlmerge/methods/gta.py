@@ -109,7 +109,7 @@ def combine_rule(t: Terms, p: tuple[bool, bool, bool]) -> Expr:
         total = total + u
     if elect:
         sign = t.where(total >= zero, one, t.lit(-1.0))
-        masks = [t.where(((u > zero) & (sign > zero)) | ((u < zero) & (sign < zero)), one, zero) for u in t.x]
+        masks = [t.where(u * sign > zero, one, zero) for u in t.x]  # u · ±1 is exact: > 0 iff u has the sign
         total, den = t.x[0] * masks[0], t.agent.w[0] * masks[0]
         for i in range(1, t.n):
             total, den = total + t.x[i] * masks[i], den + t.agent.w[i] * masks[i]
