@@ -42,7 +42,7 @@ def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.M
     """The torch path (RLMERGE_FAST=0), then the fast path with ``threads`` compute threads (default: one per
     CPU); its kernel calls."""
     calls = []
-    real = fastdare.merge_range
+    real = kernels.dare_merge_range
 
     def spy(*args: object) -> bool:
         calls.append(1)
@@ -54,7 +54,7 @@ def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.M
     monkeypatch.setenv("RLMERGE_FAST", "1")
     if threads is not None:
         monkeypatch.setenv("RLMERGE_THREADS", str(threads))  # fastpath.compute_threads
-    monkeypatch.setattr(fastdare, "merge_range", spy)
+    monkeypatch.setattr(kernels, "dare_merge_range", spy)
     fast = rlmerge.merge(base, agents, tmp / "fast", method=method, params=params, dtype=dtype, seed=seed, **kw)
     return slow, fast, len(calls)
 
@@ -106,7 +106,7 @@ def test_keep_mask_is_the_torch_paths(block: int, rescale: str) -> None:
     name, numel, seed = "model.layers.0.mlp.up_proj.weight", 3 * CHUNK + 1234, 11
     u0 = uniform(seed, 0, name, numel, 0, numel)
     dens = np.array([u0[CHUNK + 5].item(), 0.3], dtype=np.float32)  # a u that sits exactly on the density
-    factor = np.array([1.5, 0.75], dtype=np.float32)
+    factor = np.array([1.5, 0.75] if rescale == "l1" else [1.0, 1.0], dtype=np.float32)  # none: × 1, exact
     seeds = np.array([[chunk_seed(seed, t, name, c) & 0xFFFFFFFF for c in range(4)] for t in range(2)],
                      dtype=np.uint32)
     tau = np.array([1.0, 2.0], dtype=np.float32)  # the output tells the two agents' masks apart
@@ -122,7 +122,7 @@ def test_keep_mask_is_the_torch_paths(block: int, rescale: str) -> None:
         base, agents = np.zeros(n, np.float32), np.ascontiguousarray(np.repeat(tau[:, None], n, 1))
         out = np.empty(n, np.float32)
         for lo, hi in fastdare.pieces(start, n, 3):
-            fastdare.merge_range(base, agents, lo, hi, start, 0, seeds, dens, dens, fastdare.RESCALE[rescale],
+            kernels.dare_merge_range(base, agents, lo, hi, start, 0, seeds, dens, dens, fastdare.RESCALE[rescale],
                                  factor, np.ones(2, np.float32), False, False, np.float32(1), np.float32(1), False, out,
                                  np.empty((2, 0), np.uint8))
         got[start:start + n] = out
@@ -267,7 +267,7 @@ def test_missing_tensor_takes_the_torch_path(example, tmp_path: Path, monkeypatc
     del sd["model.layers.1.mlp.down_proj.weight"]
     save_file(sd, str(agents[1] / "model.safetensors"))
     calls = []
-    monkeypatch.setattr(fastdare, "merge_range", lambda *a: calls.append(1))
+    monkeypatch.setattr(kernels, "dare_merge_range", lambda *a: calls.append(1))
     for flag in ("0", "1"):
         monkeypatch.setenv("RLMERGE_FAST", flag)
         rlmerge.merge(base, agents, tmp_path / flag, method=method, params={"rescale": "l1"}, allow_missing=True)
@@ -292,8 +292,8 @@ def test_resume_is_byte_identical(example, tmp_path: Path, monkeypatch: pytest.M
         with pytest.raises(KeyboardInterrupt):
             rlmerge.merge(base, agents, out, **kw, block_size=300)
     assert _shards_done(out) == 2
-    calls, real = [], fastdare.merge_range
-    monkeypatch.setattr(fastdare, "merge_range", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], kernels.dare_merge_range
+    monkeypatch.setattr(kernels, "dare_merge_range", lambda *a: calls.append(1) or real(*a))
     rlmerge.merge(base, agents, out, **kw, block_size=1000, resume=True)
     assert calls
     ours, ref = _files(out), _files(tmp_path / "ref")

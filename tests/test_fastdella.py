@@ -136,7 +136,7 @@ def test_keep_is_u_strictly_below_p() -> None:
     assert plo[0] + q * p2e[0] == np.float32(u)
     seeds = np.array([[chunk_seed(seed, 0, name, 0) & 0xFFFFFFFF]], dtype=np.uint32)
     out = np.empty(numel, np.float32)
-    fastdare.merge_range(np.zeros(numel, np.float32), (tau[0],), 0, numel, 0, row, seeds, plo, p2e,
+    kernels.dare_merge_range(np.zeros(numel, np.float32), (tau[0],), 0, numel, 0, row, seeds, plo, p2e,
                          fastdare.RESCALE["none"], np.ones(1, np.float32), np.ones(1, np.float32), False, False,
                          np.float32(1), np.float32(1), False, out, np.empty((1, 0), np.uint8))
     assert out[target] == 0.0 and tau[0, target] != 0.0
@@ -195,13 +195,13 @@ def test_l1_keep_bits_kept_or_drawn_again(example, tmp_path: Path, monkeypatch: 
                                           cap: int | None) -> None:
     """``l1``: the merge reuses the keep bits its L1 sums stored (MASK_BYTES), or draws and ranks again for a
     tensor above the cap; both give the torch path's bytes, for tensors in one block and over several."""
-    masks, real = [], fastdare.merge_range
+    masks, real = [], kernels.dare_merge_range
     if cap is not None:
         monkeypatch.setattr(fastdare, "MASK_BYTES", cap)
     for method in ("della", "dare_ties"):
         for block in (1000, None):
             where = tmp_path / f"{method}{block}"
-            monkeypatch.setattr(fastdare, "merge_range", lambda *a: masks.append(a[-1].shape[1] > 0) or real(*a))
+            monkeypatch.setattr(kernels, "dare_merge_range", lambda *a: masks.append(a[-1].shape[1] > 0) or real(*a))
             assert_fast_is_torch(*example, where, monkeypatch, method, {"rescale": "l1"}, block=block, threads=2)
     assert (any(masks), all(masks)) == {None: (True, True), 1000: (True, False), 0: (False, False)}[cap]
 

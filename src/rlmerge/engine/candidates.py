@@ -27,8 +27,6 @@ import yaml
 from ..errors import ConfigError, ProblemsError, RLMergeError, raise_all
 from ..methods import MethodSpec, get_method
 
-DRAWING = ("random", "magprune")  # sparsify presets that draw random masks: their seed is part of a candidate
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -49,7 +47,7 @@ class Candidate:
     @property
     def random(self) -> bool:
         preset = self.spec.sparsify
-        return preset is not None and preset.prune in DRAWING
+        return preset is not None and not preset.windowed  # drawn masks: the seed is part of a candidate
 
     @property
     def label(self) -> str:

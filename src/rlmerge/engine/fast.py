@@ -237,13 +237,10 @@ class FastPath:
         # slices start at multiples of the kernels' tile: the tiles, and so the statistics' float32 partial
         # sums, are the same whatever the number of threads
         step = -(-n // self.threads // kernels.TILE) * kernels.TILE if n > kernels.TILE else n
-        parts = [(k, min(n, k * step), min(n, (k + 1) * step)) for k in range(self.threads)]
-        if self.threads == 1:
-            return [fn(*parts[0])]
-        return list(self._compute.map(lambda a: fn(*a), parts))
+        return self.run_parts([(k, min(n, k * step), min(n, (k + 1) * step)) for k in range(self.threads)], fn)
 
-    def run_parts(self, parts: list[tuple[int, int]], fn: Callable[[int, int], Any]) -> list[Any]:
-        """``fn(lo, hi)`` on the compute threads, one call per given slice (fastdare cuts at chunk boundaries)."""
+    def run_parts(self, parts: list[tuple[int, ...]], fn: Callable[..., Any]) -> list[Any]:
+        """``fn(*part)`` on the compute threads, one call per given part (fast_random cuts at chunk boundaries)."""
         if len(parts) == 1:
             return [fn(*parts[0])]
         return list(self._compute.map(lambda a: fn(*a), parts))
@@ -275,16 +272,19 @@ def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar
             bar.tensor_done()
 
 
-def next_block(blocks: Iterator[Any], job: Job, fast: FastPath | None = None, ts: TensorStats | None = None,
-               args: RuleArgs | None = None) -> tuple[int, int, _Slot, np.ndarray, Any]:
-    """The next block of ``blocks``, which must belong to ``job``: (start, stop, slot, base, agents); counted
-    into ``ts`` by ``fast``'s statistics kernel (``args``: stats_args) when ``ts`` is given."""
-    bjob, start, stop, slot, base, agents = next(blocks)
-    if bjob is not job:
-        raise RuntimeError(f"fast path out of step: expected {job.name}, got {bjob.name}")
-    if fast is not None and ts is not None and args is not None:
-        fast.run(job, start, base, agents, args, None, ts)
-    return start, stop, slot, base, agents
+def job_reads(fast: FastPath, blocks: Iterator[Any], job: Job, reads: int, ts: TensorStats | None = None,
+              args: RuleArgs | None = None) -> Iterator[tuple[int, int, int, _Slot, np.ndarray, Any]]:
+    """The blocks of ``reads`` reads of ``job`` from ``blocks`` (``FastPath.blocks``), as (read, start, stop, slot,
+    base, agents); the first read's are counted into ``ts`` by the statistics kernel (``args``: stats_args) when
+    both are given. A read ends at the block with stop = job.numel."""
+    for read in range(reads):
+        for _ in range(-(-job.numel // fast.step(job))):
+            bjob, start, stop, slot, base, agents = next(blocks)
+            if bjob is not job:
+                raise RuntimeError(f"fast path out of step: expected {job.name}, got {bjob.name}")
+            if read == 0 and ts is not None and args is not None:
+                fast.run(job, start, base, agents, args, None, ts)
+            yield read, start, stop, slot, base, agents
 
 
 def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: RuleArgs, ts: TensorStats | None,
@@ -292,16 +292,16 @@ def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: RuleAr
     """All blocks of one eligible job: fused kernel, statistics into ``ts`` when given, queued write; a rescale's
     survival counted and noted with the tensor (survival.py)."""
     counts = None if args.rescaled is None else np.zeros((fast.threads, len(args.rescaled), 2), dtype=np.int64)
-    for _ in range(-(-job.numel // fast.step(job))):
-        start, stop, slot, base, agents = next_block(blocks, job)
+    for _, start, stop, slot, base, agents in job_reads(fast, blocks, job, 1):
         merged = fast.out_view(slot, job, stop - start)
         fast.run(job, start, base, agents, args, merged, ts, counts)
-        write_slot(out, slot, merged)
-        bar.advance((stop - start) * job.out_dtype.itemsize)
+        write_slot(out, slot, merged, bar)
     if counts is not None:
         out.annotate(job.name, {survival.NOTE: counts.sum(0).tolist()})
 
 
-def write_slot(out: CheckpointWriter, slot: _Slot, merged: np.ndarray) -> None:
-    """Queue a slot's output; the slot is reused only once it is written (``FastPath.blocks`` waits)."""
+def write_slot(out: CheckpointWriter, slot: _Slot, merged: np.ndarray, bar: Any) -> None:
+    """Queue a slot's output and count it on ``bar``; the slot is reused only once it is written
+    (``FastPath.blocks`` waits)."""
     slot.written = out.write_later(memoryview(merged.view(np.uint8)))
+    bar.advance(merged.nbytes)

@@ -11,37 +11,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import kernels
 from ..io.writer import CheckpointWriter
 from ..methods._l1 import CHUNK, l1_factors
 from ..methods._ops import chunk_seed, row_length
 from ..methods.gta import combine_constants, magprune_epsilon, per_agent
 from ..stats import TensorStats
-from .fast import FastPath, next_block, statistics_pass_fast, stats_args, write_slot
+from .fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
 from .match import Job
 
 if TYPE_CHECKING:
     from .backends import Run
 
-DRAWING = ("random", "magprune")  # the sparsify presets that draw their keep masks
 RESCALE = {"none": 0, "inverse": 1, "l1": 2}  # _numba_dare.RESCALE_*
 # ``l1``: the keep bits of a tensor, from its L1 sums, are kept for its merge (no second draw and ranking) when
 # they take at most this many bytes (N agents · numel / 8; the 0.5B set's embedding: 51 MB); a larger tensor
 # draws (and ranks) again
 MASK_BYTES = 64 << 20
-
-
-def merge_range(*args: Any) -> bool:
-    """The DARE / DELLA merge rule over [lo, hi) of one block (_numba_dare.merge_range); True: τ not finite."""
-    from ..kernels.dare import merge_range as kernel
-
-    return bool(kernel(*args))
-
-
-def l1_range(*args: Any) -> bool:
-    """The L1 sums' lanes over [lo, hi) of one block (_numba_dare.l1_range); True when τ is not finite."""
-    from ..kernels.dare import l1_range as kernel
-
-    return bool(kernel(*args))
 
 
 def pieces(start: int, n: int, threads: int) -> list[tuple[int, int]]:
@@ -128,48 +114,36 @@ class RandomBackend:
 
     def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
         """All reads of one job (``reads(job)`` times its blocks): L1 sums if asked, then the fused merge."""
-        fast, blocks = self.fast, self._blocks
-        nblocks = -(-job.numel // fast.step(job))
         seeds = self._seeds(job)
         self._constants(job)
-
-        def take() -> tuple[int, int, Any, np.ndarray, np.ndarray]:  # counted on the first read only
-            return next_block(blocks, job, fast, ts if first_read else None, self.stats_args)
-
-        first_read = True
+        reads = self.reads(job)
         l1 = _L1Sums(self.n, self._mask(job)) if self.rescale == RESCALE["l1"] else None
         factor = self.ones
-        if l1 is not None and self.reads(job) == 2:
-            for _ in range(nblocks):
-                start, stop, _slot, base, agents = take()
+        for read, start, stop, slot, base, agents in job_reads(self.fast, self._blocks, job, reads, ts,
+                                                               self.stats_args):
+            if l1 is not None and read == 0:  # the L1 sums (with one read: of the whole tensor, this block)
                 self._l1_block(job, start, stop, base, agents, seeds, l1)
-            first_read = False
-            factor = l1.factors()
-        for _ in range(nblocks):
-            start, stop, slot, base, agents = take()
-            if l1 is not None and self.reads(job) == 1:  # the whole tensor is this block
-                self._l1_block(job, start, stop, base, agents, seeds, l1)
-                factor = l1.factors()
-            merged = fast.out_view(slot, job, stop - start)
+                if stop == job.numel:
+                    factor = l1.factors()
+                if reads == 2:
+                    continue
+            merged = self.fast.out_view(slot, job, stop - start)
             self._merge_block(job, start, base, agents, seeds, factor, merged,
                               l1.bits if l1 is not None else self.no_mask)
-            write_slot(out, slot, merged)
-            bar.advance((stop - start) * job.out_dtype.itemsize)
+            write_slot(out, slot, merged, bar)
 
     def _merge_block(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                      factor: np.ndarray, merged: np.ndarray, mask: np.ndarray) -> None:
-        self._threads(job, start, base, agents, lambda lo, hi: merge_range(
+        self._threads(job, start, base, agents, lambda lo, hi: kernels.dare_merge_range(
             base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, self.rescale, factor, self.c.w,
             self.c.elect, self.c.normalize, self.c.div, self.c.scaling, self.c.apply_scaling, merged, mask))
 
     def _l1_block(self, job: Job, start: int, stop: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                   l1: _L1Sums) -> None:
-        from ..kernels.dare import fold
-
         part = np.empty((2, self.n, (stop - 1) // CHUNK - start // CHUNK + 1, 8), dtype=np.float64)
-        self._threads(job, start, base, agents, lambda lo, hi: l1_range(
+        self._threads(job, start, base, agents, lambda lo, hi: kernels.dare_l1_range(
             base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, l1.carry, part, l1.bits))
-        fold(part, l1.carry, l1.total, start, stop, job.numel)
+        kernels.dare_fold(part, l1.carry, l1.total, start, stop, job.numel)
 
 
 class _L1Sums:

@@ -17,26 +17,19 @@ from ..io.writer import CheckpointWriter
 from ..methods._select import BINS, NO_CUT, ROUNDS, TieCut
 from ..methods.gta import GtaObserver, combine_constants
 from ..stats import TensorStats
-from .fast import FastPath, next_block, statistics_pass_fast, stats_args, write_slot
+from .fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
 from .match import Job
 
 if TYPE_CHECKING:
     from .backends import Run
     from .cache import CacheView
 
-SELECTING = ("magnitude", "magnitude-global", "outliers")  # the sparsify presets that keep a window of |τ|
-
-
-def selects(obs: GtaObserver, job: Job) -> bool:
-    """Whether a tensor needs thresholds of its own (per-tensor presets with a density below 1)."""
-    return obs.selects(job.name, job.numel)
-
 
 def select_reads(obs: GtaObserver, job: Job, block: int, cached: CacheView | None = None) -> int:
     """Reads of ``job`` in the merge pass: one per selection round and one to merge, unless it fits in one
     block (then it is read once and selected in memory). A cached window: one read; a cached round-0
     histogram: one round fewer."""
-    if not selects(obs, job) or job.numel <= block:
+    if not obs.selects(job.name, job.numel) or job.numel <= block:
         return 1
     if cached is not None:  # (a whole-model window is found in the statistics pass, not here)
         if cached.window(obs, job.name) is not None:
@@ -139,15 +132,8 @@ class SelectBackend:
 
     def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
         """All reads of one job (``reads(job)`` times its blocks): thresholds, then the fused merge."""
-        fast, blocks = self.fast, self._blocks
-        nblocks = -(-job.numel // fast.block)
         reads = self._reads[job.name]
-
-        def take() -> tuple[int, int, Any, np.ndarray, np.ndarray]:  # counted on the first read only
-            return next_block(blocks, job, fast, ts if first_read else None, self.stats_args)
-
-        first_read = True
-        own = selects(self.obs, job)
+        own = self.obs.selects(job.name, job.numel)
         window = None
         if not self.whole_model:
             self.obs.begin_tensor(job.name, job.numel)  # its ranks and default window
@@ -156,18 +142,15 @@ class SelectBackend:
             self.run.cache.used("bounds")  # type: ignore[union-attr]
             self.obs.bounds[job.name] = window
             own = False
-        if reads > 1:
-            cached = self._cached_round0(job)
-            selecting = cached is not False
-            for _ in range(ROUNDS if cached is None else ROUNDS - 1):  # each fixes one more digit of the thresholds
-                for _ in range(nblocks):
-                    start, _stop, _slot, base, agents = take()  # a round not needed still takes its blocks
-                    if selecting:
-                        self._count(job, start, base, agents)
-                first_read = False
-                selecting = selecting and self._end_round(job.name)
-        for _ in range(nblocks):
-            start, stop, slot, base, agents = take()
+        selecting = reads > 1 and self._cached_round0(job) is not False
+        for read, start, stop, slot, base, agents in job_reads(self.fast, self._blocks, job, reads, ts,
+                                                               self.stats_args):
+            if read < reads - 1:  # a selection round: each fixes one more digit of the thresholds
+                if selecting:  # (a round not needed still takes its blocks)
+                    self._count(job, start, base, agents)
+                if stop == job.numel:
+                    selecting = selecting and self._end_round(job.name)
+                continue
             if own and reads == 1:  # the whole tensor is this block: select in memory
                 more = self._cached_round0(job)
                 while more is not False:
@@ -176,10 +159,9 @@ class SelectBackend:
             cut = self.obs.cut  # exact k: where the ties at each threshold stop, found block by block
             if cut is not None and not cut.done:
                 _feed_cut(cut, start, base, agents)
-            merged = fast.out_view(slot, job, stop - start)
+            merged = self.fast.out_view(slot, job, stop - start)
             self._merge(job, start, base, agents, merged, self.no_cut if cut is None else cut.cut)
-            write_slot(out, slot, merged)
-            bar.advance((stop - start) * job.out_dtype.itemsize)
+            write_slot(out, slot, merged, bar)
 
     def _merge(self, job: Job, start: int, base: np.ndarray, agents: Any, merged: np.ndarray, cut: np.ndarray
                ) -> None:

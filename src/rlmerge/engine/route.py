@@ -36,8 +36,6 @@ if TYPE_CHECKING:
     from .cache import CacheView
 
 Kind = Literal["fused", "select", "random", "torch"]
-SELECTING = ("magnitude", "magnitude-global", "outliers")  # sparsify presets that keep a window of |τ|
-DRAWING = ("random", "magprune")  # sparsify presets that draw a keep mask
 
 
 @dataclass(frozen=True)
@@ -108,9 +106,9 @@ def _kind(match: Match, spec: MethodSpec, p: Any, observer: Any, *, device: str,
         return "torch"
     every = all(eligible(match, j) for j in match.merge_jobs)
     preset = spec.sparsify
-    if preset is not None and preset.prune in SELECTING and getattr(p, "rescale", "none") == "none":
+    if preset is not None and preset.windowed and getattr(p, "rescale", "none") == "none":
         return "select" if every and isinstance(observer, GtaObserver) else "torch"
-    if preset is not None and preset.prune in DRAWING:
+    if preset is not None and not preset.windowed:
         return "random" if every else "torch"
     if (spec.program(p, len(match.agents)) is not None and not spec.row_blocks(p)
             and any(eligible(match, j) for j in match.merge_jobs)):

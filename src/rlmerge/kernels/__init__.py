@@ -1,7 +1,7 @@
 """numba kernels: the engine's one door to them (numba is imported only when a kernel runs).
 
 ``fused_range`` runs a method's traced rule (methods/rule.py) compiled into a fused loop (fused.py); the selection
-and DARE entry points run the sparsify family's kernels. docs/architecture.md has the design.
+and DARE entry points (``_ENTRIES``) run the sparsify family's kernels. docs/architecture.md has the design.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo:
     or are both None: then nothing is gathered and no τ is checked (a statistics pass over the same bytes
     already did). ``exact``: gram from float64 products, for a method that merges with it (model_stock); else
     float32 sums over tiles. ``kept`` [N, 2] int64 (with ``rescaled`` [N] bool; both None without a statistics
-    pass's hist): what the written output kept of a rescale of unique elements (survival.py). Compiled on first
+    pass's hist): what the written output kept of a rescale of unique elements (engine/survival.py). Compiled on first
     use for each (program, N, dtypes), cached on disk.
     """
     from .fused import PROGRAMS, STATS_ONLY, ProgramKey
@@ -48,22 +48,17 @@ def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo:
                        ProgramKey(key)))
 
 
-def gta_hist_first(*args: Any) -> None:
-    """Round 0 of the |τ| selection: hist[t, j % S, digit 0 of |τ_t|] += 1 over [lo, hi) (_numba_gta)."""
-    from .select import hist_first
-
-    hist_first(*args)
-
-
-def gta_hist_next(*args: Any) -> None:
-    """A later round: digit counts of the |τ| whose higher digits equal each query's prefix (_numba_gta)."""
-    from .select import hist_next
-
-    hist_next(*args)
+# The sparsify family's entry points, as the engine calls them: (module, function), imported on first use.
+_ENTRIES = {"gta_hist_first": ("select", "hist_first"), "gta_hist_next": ("select", "hist_next"),
+            "gta_merge_range": ("select", "merge_range"), "dare_merge_range": ("dare", "merge_range"),
+            "dare_l1_range": ("dare", "l1_range"), "dare_fold": ("dare", "fold")}
 
 
-def gta_merge_range(*args: Any) -> None:
-    """The TIES / Breadcrumbs merge rule over [lo, hi) of one block (see _numba_gta.merge_range)."""
-    from .select import merge_range
-
-    merge_range(*args)
+def __getattr__(name: str) -> Any:
+    """A kernel of ``_ENTRIES`` (select.py: TIES' radix-select rounds and merge; dare.py: DARE / DELLA's merge, L1
+    lanes and their fold), compiled on first use; it then stays a module attribute."""
+    if name not in _ENTRIES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _ENTRIES[name]
+    fn = globals()[name] = getattr(importlib.import_module(f".{module}", __name__), attr)
+    return fn

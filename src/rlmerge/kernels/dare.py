@@ -15,7 +15,7 @@ from . import mt
 from .codec import _dec
 from .della import probs, rank_span, scratch
 from .layout import TILE
-from .select import combine_tile
+from .select import combine_scratch, combine_tile
 
 RESCALE_NONE, RESCALE_INVERSE, RESCALE_L1 = 0, 1, 2
 _CHUNK = np.uint64(CHUNK)
@@ -39,8 +39,8 @@ def _draw(states, idx, u, m):  # type: ignore[no-untyped-def]
 
 @njit(nogil=True, cache=True)
 def _prune_tile(base, agents, lo, m, u, prob, rescale, factor, w, b32, wtd):  # type: ignore[no-untyped-def]
-    """wtd[t] = prune_block's τ · keep (keep: u < p, p = prob[t, j]), rescaled (÷ p, × the L1 factor, or not),
-    · w_t (gta.py ``_merge``). True: τ not finite."""
+    """wtd[t] = prune_block's τ · keep (keep: u < p, p = prob[t, j]), rescaled (÷ p, or × ``factor``: the L1
+    factor, 1 without a rescale, which is exact), · w_t (gta.py ``_merge``). True: τ not finite."""
     zero = np.float32(0.0)
     one = np.float32(1.0)
     bad = False
@@ -57,22 +57,18 @@ def _prune_tile(base, agents, lo, m, u, prob, rescale, factor, w, b32, wtd):  # 
                 x = _dec(a[lo + j]) - b32[j]
                 bad |= not np.isfinite(x)
                 row[j] = ((x * (one if ut[j] < pt[j] else zero)) / pt[j]) * wt
-        elif rescale == RESCALE_L1:
-            for j in range(m):
-                x = _dec(a[lo + j]) - b32[j]
-                bad |= not np.isfinite(x)
-                row[j] = ((x * (one if ut[j] < pt[j] else zero)) * f) * wt
         else:
             for j in range(m):
                 x = _dec(a[lo + j]) - b32[j]
                 bad |= not np.isfinite(x)
-                row[j] = (x * (one if ut[j] < pt[j] else zero)) * wt
+                row[j] = ((x * (one if ut[j] < pt[j] else zero)) * f) * wt
     return bad
 
 
 @njit(nogil=True, cache=True)
 def _scratch(n_agents, row, plo):  # type: ignore[no-untyped-def]
-    """(span [2], ranks [N, span], work, hist, prob [N, TILE]) for a kernel call; DARE (row 0): prob = plo."""
+    """(span [2], ranks [N, span], work, hist, prob [N, TILE]; the agents' mt19937 states [N, 624], their indices
+    [N] and uniforms u [N, TILE]) for a kernel call; DARE (row 0): prob = plo."""
     size = row * max(1, TILE // row) if row > 0 else 1
     work, hist = scratch(max(row, 1))
     prob = np.empty((n_agents, TILE), dtype=np.float32)
@@ -80,7 +76,9 @@ def _scratch(n_agents, row, plo):  # type: ignore[no-untyped-def]
         for t in range(n_agents):
             prob[t, :] = plo[t]
     span = np.zeros(2, dtype=np.uint64)  # [lo, hi) of the block whose ranks are held; none yet
-    return span, np.empty((n_agents, size), dtype=np.uint32), work, hist, prob
+    return (span, np.empty((n_agents, size), dtype=np.uint32), work, hist, prob,
+            np.empty((n_agents, mt.STATE), dtype=np.uint32), np.empty(n_agents, dtype=np.uint64),
+            np.empty((n_agents, TILE), dtype=np.float32))
 
 
 @njit(nogil=True, cache=True)
@@ -157,15 +155,8 @@ def merge_range(base, agents, lo, hi, start, row, seeds, plo, p2e, rescale, fact
     n_agents = len(agents)
     stored = mask.shape[1] > 0
     row = 0 if stored else row
-    span, ranks, work, hist, prob = _scratch(n_agents, row, plo)
-    states = np.empty((n_agents, mt.STATE), dtype=np.uint32)
-    idx = np.empty(n_agents, dtype=np.uint64)
-    u = np.empty((n_agents, TILE), dtype=np.float32)
-    wtd = np.empty((n_agents, TILE), dtype=np.float32)
-    b32 = np.empty(TILE, dtype=np.float32)
-    total = np.empty(TILE, dtype=np.float32)
-    den = np.empty(TILE, dtype=np.float32)
-    sgn = np.empty(TILE, dtype=np.float32)
+    span, ranks, work, hist, prob, states, idx, u = _scratch(n_agents, row, plo)
+    wtd, b32, total, den, sgn = combine_scratch(n_agents)
     bad = False
     start = np.uint64(start)
     pos = np.uint64(lo)
@@ -226,10 +217,7 @@ def l1_range(base, agents, lo, hi, start, row, seeds, plo, p2e, carry, part, mas
     ``mask`` unless it has no columns (as merge_range's). True: τ not finite.
     """
     n_agents = len(agents)
-    span, ranks, work, hist, prob = _scratch(n_agents, row, plo)
-    states = np.empty((n_agents, mt.STATE), dtype=np.uint32)
-    idx = np.empty(n_agents, dtype=np.uint64)
-    u = np.empty((n_agents, TILE), dtype=np.float32)
+    span, ranks, work, hist, prob, states, idx, u = _scratch(n_agents, row, plo)
     b32 = np.empty(TILE, dtype=np.float32)
     va = np.empty(TILE, dtype=np.float64)
     vk = np.empty(TILE, dtype=np.float64)

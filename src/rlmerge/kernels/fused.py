@@ -60,7 +60,7 @@ def _unbox_key(typ, obj, c):  # type: ignore[no-untyped-def]
     return NativeValue(c.context.get_dummy_value())  # nothing to pass: the type is the key
 
 _BODY = '''
-def tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, ram, key):
+def tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, key):
     zero = np.float32(0.0)
 {unpack}
 {hoisted}
@@ -103,6 +103,7 @@ _DECODE = {"uint16": "_u32_as_f32(np.uint32({x}) << np.uint32(16))",  # bfloat16
            "float32": "{x}"}
 _SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/", "gt": ">", "ge": ">=", "lt": "<", "le": "<=",
            "eq": "==", "ne": "!=", "and": "&", "or": "|"}
+_UNARY = {"neg": "-{}", "not": "not {}", "abs": "abs({})"}
 
 
 def _program_lines(p: Program) -> tuple[list[str], list[str], str]:
@@ -123,12 +124,8 @@ def _program_lines(p: Program) -> tuple[list[str], list[str], str]:
             hoisted.append(f"    {v} = agent_consts[{p.agent_consts.index(op.args[0])}, {op.args[1]}]")
         elif op.name in BINARY:
             body.append(f"        {v} = {args[0]} {_SYMBOL[op.name]} {args[1]}")
-        elif op.name == "neg":
-            body.append(f"        {v} = -{args[0]}")
-        elif op.name == "not":
-            body.append(f"        {v} = not {args[0]}")
-        elif op.name == "abs":
-            body.append(f"        {v} = abs({args[0]})")
+        elif op.name in _UNARY:
+            body.append(f"        {v} = {_UNARY[op.name].format(args[0])}")
         elif op.name == "where":  # a select, not a branch: both sides are computed
             body.append(f"        {v} = {args[1]} if {args[0]} else {args[2]}")
         else:
@@ -175,12 +172,12 @@ def source(n: int, key: int, collect: bool, base: str = "uint16", agent: str = "
                         dec_base=_DECODE[base].format(x="base[i]"), codes=codes, kept=counted)
 
 
-def _tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, ram, key):  # type: ignore[no-untyped-def]
+def _tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, key):  # type: ignore[no-untyped-def]
     raise NotImplementedError
 
 
 @overload(_tile)
-def _tile_ov(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, ram, key):  # type: ignore[no-untyped-def]
+def _tile_ov(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, key):  # type: ignore[no-untyped-def]
     if not isinstance(key, ProgramKeyType) or not isinstance(agents, types.UniTuple):
         return None
     collect = not isinstance(tau, types.NoneType)
@@ -254,20 +251,18 @@ def _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exa
     (None: compiled out) with ``rescaled`` [N]: what the written values kept of a rescale (_KEPT)."""
     n_agents = len(agents)
     bad = False
-    ram = np.empty(TILE if kept is not None else 0, dtype=out.dtype)  # RAM's values of a tile, rounded
     if hist is None:
         for start in range(lo, hi, TILE):
             m = np.uint64(min(TILE, hi - start))
             # unsigned offsets: indexing then needs no negative-index wraparound, and the loop vectorises
-            _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, None, None, eps, rescaled, kept, ram,
-                  key)
+            _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, None, None, eps, rescaled, kept, key)
         return bad
     tau = np.empty((n_agents, TILE), dtype=np.float32)
     code = np.empty(TILE, dtype=np.float32)
     gram_t = np.zeros((n_agents, n_agents), dtype=np.float64)
     for start in range(lo, hi, TILE):
         m = np.uint64(min(TILE, hi - start))
-        _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, tau, code, eps, rescaled, kept, ram, key)
+        _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, tau, code, eps, rescaled, kept, key)
         _hist(code, m, hist)
         gram_t[:] = 0.0
         if exact:

@@ -132,17 +132,19 @@ def combine_tile(wtd, b32, lo, m, w, elect, normalize, div, scaling, apply_scali
 
 
 @njit(nogil=True, cache=True)
+def combine_scratch(n_agents):  # type: ignore[no-untyped-def]
+    """combine_tile's buffers: (wtd [N, TILE], b32, total, den, sgn [TILE]) float32."""
+    return (np.empty((n_agents, TILE), dtype=np.float32), np.empty(TILE, dtype=np.float32),
+            np.empty(TILE, dtype=np.float32), np.empty(TILE, dtype=np.float32), np.empty(TILE, dtype=np.float32))
+
+
+@njit(nogil=True, cache=True)
 def merge_range(base, agents, lo, hi, keep_lo, keep_hi, cut, offset, w, elect, normalize, div, scaling,  # type: ignore[no-untyped-def]
                 apply_scaling, out):
     """Elements [lo, hi) of one block: θ₀ + scaling · combine(prune(τ) · w) into out [n]; see gta.py.
     ``agents``: a tuple of N arrays [n]; cut [N] int64 and ``offset`` (the block's first flat index in its
     tensor): TIES' exact k (methods/_select.TieCut)."""
-    n_agents = len(agents)
-    wtd = np.empty((n_agents, TILE), dtype=np.float32)
-    b32 = np.empty(TILE, dtype=np.float32)
-    total = np.empty(TILE, dtype=np.float32)
-    den = np.empty(TILE, dtype=np.float32)
-    sgn = np.empty(TILE, dtype=np.float32)
+    wtd, b32, total, den, sgn = combine_scratch(len(agents))
     for start in range(lo, hi, TILE):
         m = min(TILE, hi - start)
         _tile(base, agents, np.uint64(start), np.uint64(m), keep_lo, keep_hi, cut, np.int64(offset), w, elect,

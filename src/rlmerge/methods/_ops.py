@@ -1,7 +1,7 @@
-"""Named pure steps the task-vector baselines are built from (PEFT's shape: prune, elect sign, disjoint mean).
-
-Each step takes float32 blocks and returns new tensors; none mutates its inputs. TIES, DARE, Breadcrumbs and
-DELLA are presets that pick a pruning step and whether to elect a sign (see ``gta.py``).
+"""Named pure steps the task-vector baselines prune with (PEFT's shape); the sign election and (disjoint) mean
+that follow are a rule (``gta.combine_rule``). Each step takes float32 blocks and returns new tensors; none mutates
+its inputs. TIES, DARE, Breadcrumbs and DELLA are presets that pick a pruning step and whether to elect a sign
+(see ``gta.py``).
 """
 
 from __future__ import annotations
@@ -52,52 +52,6 @@ def weight_sum(w: np.ndarray) -> np.float32:
     """Σ w_t accumulated in float64 and rounded once to float32: the same on every machine and both paths
     (torch's own float32 sum adds in an order that depends on the length and the CPU's vector width)."""
     return np.float32(np.sum(np.asarray(w, dtype=np.float32), dtype=np.float64))
-
-
-def keep_window(absd: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, cut: torch.Tensor | None = None,
-                index: torch.Tensor | None = None) -> torch.Tensor:
-    """Mask [N, n] of lo_t ≤ |τ_t| ≤ hi_t (lo/hi [N]); ties at either end are kept, or with ``cut`` [N] (TIES'
-    exact k) |τ_t| = lo_t only at flat ``index`` [n] < cut_t."""
-    above = absd >= lo.unsqueeze(-1)
-    if cut is not None and index is not None:
-        above = (absd > lo.unsqueeze(-1)) | ((absd == lo.unsqueeze(-1)) & (index < cut.unsqueeze(-1)))
-    return above & (absd <= hi.unsqueeze(-1))
-
-
-def elect_sign(weighted: torch.Tensor) -> torch.Tensor:
-    """TIES sign election by total mass: +1 where Σ_t w_t τ_t ≥ 0, else −1 (mergekit's ``sum`` consensus)."""
-    total = weighted[0].clone()
-    for t in range(1, weighted.shape[0]):
-        total += weighted[t]
-    return torch.where(total >= 0, 1.0, -1.0)
-
-
-def agree(weighted: torch.Tensor, elected: torch.Tensor) -> torch.Tensor:
-    """Mask [N, n]: agent t's (weighted, pruned) τ is non-zero with the elected sign."""
-    return torch.sign(weighted) == elected
-
-
-def combine(weighted: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None, *, normalize: bool,
-            div: np.float32) -> torch.Tensor:
-    """Σ_t mask_t w_t τ_t, divided by Σ_t mask_t w_t (disjoint mean) when ``normalize``.
-
-    Without a mask the divisor is ``div`` (Σ_t w_t, 1 when it is ~0: gta.combine_constants). With one, an element
-    no agent kept divides by 1, as mergekit does. Sums run over agents in order.
-    """
-    n = weighted.shape[0]
-    kept = weighted if mask is None else weighted * mask
-    total = kept[0].clone()
-    for t in range(1, n):
-        total += kept[t]
-    if not normalize:
-        return total
-    if mask is None:
-        return total / torch.tensor(div, device=total.device)
-    wm = w.unsqueeze(-1) * mask  # [N, n]
-    den = wm[0].clone()
-    for t in range(1, n):
-        den += wm[t]
-    return total / torch.where(den == 0, 1.0, den)
 
 
 def row_ranks(absd: torch.Tensor, row: int) -> torch.Tensor:

@@ -158,16 +158,15 @@ class TieCut:
     def done(self) -> bool:
         return not bool(self.pending.any())
 
-    def feed(self, start: int, absd: torch.Tensor | np.ndarray) -> None:
-        """|v| [N, n] (float32) of flat elements [start, start + n) of the tensor, blocks in order. A numpy array
-        stays in numpy (the numba path never pages in torch's kernels, ~200 MB of RSS)."""
+    def feed(self, start: int, absd: np.ndarray) -> None:
+        """|v| [N, n] float32 of flat elements [start, start + n) of the tensor, blocks in order: numpy on both
+        paths (the numba path never pages in torch's kernels, ~200 MB of RSS)."""
         for t in np.flatnonzero(self.pending):
-            eq = absd[t] == np.float32(self.thr[t]) if isinstance(absd, np.ndarray) else absd[t] == float(self.thr[t])
+            eq = absd[t] == self.thr[t]
             count = int(eq.sum())
             left = int(self.need[t] - self.seen[t])
             if count >= left:
-                where = np.flatnonzero(eq) if isinstance(eq, np.ndarray) else torch.nonzero(eq)[:, 0]
-                index = int(where[left - 1]) if left > 0 else -1
+                index = int(np.flatnonzero(eq)[left - 1]) if left > 0 else -1
                 self.cut[t] = start + index + 1
                 self.pending[t] = False
             else:

@@ -25,6 +25,7 @@ from .._torch import torch
 from ..params import check_range
 from ..stats import TensorStats
 from ._select import ROUNDS, KthLargest
+from .ram_beyond import agreeing_mean
 from .rule import Expr, Terms
 from .spec import BlockContext, MethodSpec
 
@@ -100,13 +101,7 @@ def arm_ties_rule(t: Terms, p: ArmTiesParams) -> Expr:
         neg = neg + t.where(keep & (v < zero), -v, zero)
         values.append(v)
         kept.append(keep)
-    margin = pos - neg
-    agreed = count = zero
-    for v, keep in zip(values, kept):
-        agree = keep & (((v > zero) & (margin > zero)) | ((v < zero) & (margin < zero)))
-        agreed = agreed + t.where(agree, v, zero)
-        count = count + t.where(agree, one, zero)
-    elected = t.where(count > zero, agreed / t.where(count > zero, count, one), zero) * t.const.scaling
+    elected = agreeing_mean(t, values, kept, pos - neg) * t.const.scaling
     merged = t.b + t.where(c >= t.lit(2.0), elected, total)  # c = 1: total is the one agent's τ
     return t.where(c.eq(zero), t.b, merged)
 

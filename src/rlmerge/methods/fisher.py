@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..params import check_range
 from ..stats import Statistics
 from .spec import BlockContext, MethodSpec
-from .task_arithmetic import Weights, agent_weights, each_weight
+from .task_arithmetic import Weights, agent_weights, check_each
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,7 @@ class FisherParams:
             raise ConfigError("fisher: no Fisher files given (parameter fisher=F1,F2,...)",
                               hint="estimate one per agent with `rlmerge fisher AGENT --data prompts.jsonl -o F`")
         check_range("fisher", "floor", self.floor, 0.0, 1.0, lo_open=True)
-        for w in each_weight(self.weights):
-            check_range("fisher", "weight", w, 0.0, 10.0)
+        check_each("fisher", "weight", self.weights, 0.0, 10.0)
 
 
 class FisherNorms:

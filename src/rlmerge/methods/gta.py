@@ -1,6 +1,7 @@
 """Sparsify-then-combine task-vector baselines: TIES, DARE (+TA / +TIES), Breadcrumbs, DELLA.
 
-One rule serves them all (mergekit's "generalized task arithmetic"; the steps are in ``_ops.py``):
+One rule serves them all (mergekit's "generalized task arithmetic"; the pruning steps are in ``_ops.py``, the
+combine step after them is the rule ``combine_rule``, which kernels/select.combine_tile does per element):
 
     τ̃_t = prune(τ_t) · rescale_t              per agent: magnitude top-k, random drop, outlier window, MagPrune
     u_t = w_t · τ̃_t
@@ -25,16 +26,15 @@ import numpy as np
 from .._torch import torch
 from ..errors import ConfigError
 from ..params import check_range
-from ..stats import Statistics
 from ._l1 import LaneSum, l1_factors
-from ._ops import agree, combine, elect_sign, keep_window, row_length, row_ranks, uniform, weight_sum
+from ._ops import row_length, row_ranks, uniform, weight_sum
 from ._select import ROUNDS, KthLargest, TieCut
+from .rule import Expr, Terms, program, torch_eval
 from .spec import BlockContext, MethodSpec
-from .task_arithmetic import Weights, agent_weights, each_weight
+from .task_arithmetic import PerAgent, Weights, agent_weights, check_each, each, per_agent
 
 Prune = Literal["magnitude", "magnitude-global", "random", "outliers", "magprune"]
 Rescale = Literal["inverse", "l1", "none"]
-PerAgent = float | tuple[float, ...]
 INF = math.inf
 
 
@@ -45,6 +45,12 @@ class Preset:
     normalize: bool  # default of ``normalize``
     paper: str
     summary: str
+
+    @property
+    def windowed(self) -> bool:
+        """It keeps a window of |τ| whose bounds an exact selection finds (TIES, Breadcrumbs); else it draws its
+        keep masks (DARE, DELLA), and the seed is part of what it merges."""
+        return self.prune in ("magnitude", "magnitude-global", "outliers")
 
 
 PRESETS: dict[str, Preset] = {
@@ -69,7 +75,7 @@ PRESETS: dict[str, Preset] = {
 
 @dataclass(frozen=True)
 class Combine:
-    """The combine step's constants, as every backend uses them (the torch steps in _ops.py, the numba kernels)."""
+    """The combine step's constants, as every backend uses them (``combine_rule`` on torch, the numba kernels)."""
 
     w: np.ndarray  # [N] float32 weights
     elect: bool  # TIES sign election
@@ -90,23 +96,33 @@ def combine_constants(name: str, preset: Preset, params: Any, n: int) -> Combine
                    div if abs(div) >= 1e-8 else np.float32(1.0), np.float32(params.scaling))
 
 
-def per_agent(value: PerAgent, n: int, where: str, name: str) -> tuple[float, ...]:
-    if isinstance(value, tuple):
-        if len(value) != n:
-            raise ConfigError(f"{where}: {len(value)} value(s) of {name} given for {n} agent(s)",
-                              hint="give one value, or one per agent in the order the agents are listed")
-        return value
-    return (float(value),) * n
-
-
-def _each(value: PerAgent) -> tuple[float, ...]:
-    return value if isinstance(value, tuple) else (value,)
+def combine_rule(t: Terms, p: tuple[bool, bool, bool]) -> Expr:
+    """θ₀ + scaling · Σ_t m_t u_t / (Σ_t m_t w_t with sign election, else Σ w) from u_t = ``t.x[t]``, the pruned,
+    rescaled and weighted τ; ``p`` = (elect, normalize, apply_scaling) of ``Combine``. The sign is elected by total
+    mass (+ where Σ_t u_t ≥ 0, mergekit's ``sum`` consensus), m_t is 1 where u_t has that sign strictly, and an
+    element no agent kept divides by 1, as mergekit does. Sums run over agents in order; kernels/select.py
+    ``combine_tile`` is the same operations per element."""
+    elect, normalize, scale = p
+    zero, one = t.lit(0.0), t.lit(1.0)
+    total = t.x[0]
+    for u in t.x[1:]:
+        total = total + u
+    if elect:
+        sign = t.where(total >= zero, one, t.lit(-1.0))
+        masks = [t.where(u * sign > zero, one, zero) for u in t.x]  # u · ±1 is exact: > 0 iff u has the sign
+        total, den = t.x[0] * masks[0], t.agent.w[0] * masks[0]
+        for i in range(1, t.n):
+            total, den = total + t.x[i] * masks[i], den + t.agent.w[i] * masks[i]
+        if normalize:
+            total = total / t.where(den.eq(zero), one, den)
+    elif normalize:
+        total = total / t.const.div
+    return t.b + (total * t.const.scaling if scale else total)
 
 
 def _common_checks(where: str, weights: Weights, scaling: float) -> None:
     check_range(where, "scaling", scaling, -10.0, 10.0)
-    for w in each_weight(weights):
-        check_range(where, "weight", w, -10.0, 10.0)
+    check_each(where, "weight", weights, -10.0, 10.0)
 
 
 TieBreak = Literal["index", "keep-all"]
@@ -127,8 +143,7 @@ class TiesParams:
     tie_break: TieBreak | None = None  # None: the method's (ties: index, ties_global: keep-all)
 
     def __post_init__(self) -> None:
-        for d in _each(self.density):
-            check_range("ties", "density", d, 0.0, 1.0, lo_open=True)
+        check_each("ties", "density", self.density, 0.0, 1.0, lo_open=True)
         _common_checks("ties", self.weights, self.scaling)
 
 
@@ -151,15 +166,13 @@ class DareParams:
         if self.p is not None and self.density is not None:
             raise ConfigError("dare: give either p (drop rate) or density (keep rate = 1 − p), not both")
         if self.p is not None:
-            for p in _each(self.p):
-                check_range("dare", "p", p, 0.0, 1.0, hi_open=True)
-            keep = tuple(1.0 - p for p in _each(self.p))
+            check_each("dare", "p", self.p, 0.0, 1.0, hi_open=True)
+            keep = tuple(1.0 - p for p in each(self.p))
             object.__setattr__(self, "density", keep if isinstance(self.p, tuple) else keep[0])
         elif self.density is None:
             object.__setattr__(self, "p", 0.9)
             object.__setattr__(self, "density", 1.0 - 0.9)
-        for d in _each(self.density):  # type: ignore[arg-type]
-            check_range("dare", "density", d, 0.0, 1.0, lo_open=True)
+        check_each("dare", "density", self.density, 0.0, 1.0, lo_open=True)
         _common_checks("dare", self.weights, self.scaling)
 
 
@@ -174,10 +187,8 @@ class BreadcrumbsParams:
     scaling: float = 1.0
 
     def __post_init__(self) -> None:
-        for d in _each(self.density):
-            check_range("breadcrumbs", "density", d, 0.0, 1.0, lo_open=True)
-        for g in _each(self.gamma):
-            check_range("breadcrumbs", "gamma", g, 0.0, 1.0, hi_open=True)
+        check_each("breadcrumbs", "density", self.density, 0.0, 1.0, lo_open=True)
+        check_each("breadcrumbs", "gamma", self.gamma, 0.0, 1.0, hi_open=True)
         _common_checks("breadcrumbs", self.weights, self.scaling)
 
 
@@ -193,13 +204,10 @@ class DellaParams:
     scaling: float = 1.0
 
     def __post_init__(self) -> None:
-        for d in _each(self.density):
-            check_range("della", "density", d, 0.0, 1.0, lo_open=True)
-        for e in _each(self.epsilon):
-            check_range("della", "epsilon", e, 0.0, 0.5, hi_open=True)
-        dens, eps = _each(self.density), _each(self.epsilon)
-        for d in dens:
-            for e in eps:
+        check_each("della", "density", self.density, 0.0, 1.0, lo_open=True)
+        check_each("della", "epsilon", self.epsilon, 0.0, 0.5, hi_open=True)
+        for d in each(self.density):
+            for e in each(self.epsilon):
                 if d < 1.0 and (d - e <= 0 or d + e >= 1):  # density 1 keeps everything (mergekit: no pruning)
                     raise ConfigError(f"della: density ± epsilon = {d} ± {e} leaves (0, 1)",
                                       hint="choose epsilon < min(density, 1 − density)")
@@ -286,7 +294,7 @@ class GtaObserver:
 
     @property
     def needs_selection(self) -> bool:
-        return self.preset.prune in ("magnitude", "magnitude-global", "outliers")
+        return self.preset.windowed
 
     @property
     def needs_l1(self) -> bool:
@@ -297,7 +305,7 @@ class GtaObserver:
         if ctx.start == 0 and ctx.name != self._name:
             self.begin_tensor(ctx.name, numel)
         if self.cut is not None:  # the stream after the selection: where the ties at the threshold stop
-            self.cut.feed(ctx.start, deltas.abs())
+            self.cut.feed(ctx.start, deltas.abs().cpu().numpy())
             return
         if self.needs_selection and self._sel is not None:
             if self._sel.round == 0 and self.preset.prune == "magnitude-global":
@@ -434,13 +442,14 @@ def prune_block(preset: Preset, obs: GtaObserver, deltas: torch.Tensor,
     """(pruned τ [N, n] before any L1 factor, per-element keep probability [N, n] for ``inverse`` or None)."""
     n_agents, n = deltas.shape
     numel = math.prod(ctx.shape)
-    if preset.prune in ("magnitude", "magnitude-global", "outliers"):
-        lo, hi = torch.from_numpy(obs.window(ctx.name)).to(deltas.device)
-        cuts = obs.cuts_of(ctx.name)
-        if cuts is None:
-            return deltas * keep_window(deltas.abs(), lo, hi), None
-        index = torch.arange(ctx.start, ctx.stop, device=deltas.device)
-        return deltas * keep_window(deltas.abs(), lo, hi, torch.from_numpy(cuts).to(deltas.device), index), None
+    if preset.windowed:  # keep lo_t ≤ |τ_t| ≤ hi_t; with TIES' exact k |τ_t| = lo_t only at flat index < cut_t
+        absd, cuts = deltas.abs(), obs.cuts_of(ctx.name)
+        lo, hi = torch.from_numpy(obs.window(ctx.name)).to(deltas.device).unsqueeze(-1)  # [N, 1] each
+        above = absd >= lo
+        if cuts is not None:
+            index = torch.arange(ctx.start, ctx.stop, device=deltas.device)
+            above = (absd > lo) | ((absd == lo) & (index < torch.from_numpy(cuts).to(deltas.device).unsqueeze(-1)))
+        return deltas * (above & (absd <= hi)), None
     u = torch.stack([uniform(ctx.seed, t, ctx.name, numel, ctx.start, ctx.stop) for t in range(n_agents)])
     u = u.to(deltas.device)
     dens = torch.tensor(obs.density_of(ctx.name), dtype=torch.float32, device=deltas.device).unsqueeze(-1)  # [N, 1]
@@ -466,26 +475,13 @@ def _merge(name: str, preset: Preset, base: torch.Tensor, deltas: torch.Tensor, 
         pruned = pruned / prob
     elif rescale == "l1":
         pruned = pruned * torch.from_numpy(obs.l1[ctx.name]).to(deltas.device).unsqueeze(-1)
-    weighted = pruned * w.unsqueeze(-1)
-    mask = agree(weighted, elect_sign(weighted)) if c.elect else None
-    mixed = combine(weighted, w, mask, normalize=c.normalize, div=c.div)
-    if c.apply_scaling:
-        mixed = mixed * c.scaling
-    return base + mixed
+    prog = program(combine_rule, (c.elect, c.normalize, c.apply_scaling), deltas.shape[0])
+    return torch_eval(prog, base, pruned * w.unsqueeze(-1), {"w": c.w, "div": c.div, "scaling": c.scaling})
 
 
-def _observer(preset: Preset) -> Any:
-    def make(params: Any, n: int, at: Callable[[str], Any] | None = None) -> GtaObserver | None:
-        obs = GtaObserver(preset, params, n, at)
-        return obs if (obs.needs_selection or obs.needs_l1) else None
-    return make
-
-
-def _prepare(preset: Preset) -> Any:
-    def prepare(params: Any, stats: Statistics | None, n: int) -> GtaObserver:
-        obs = getattr(stats, "observed", None)
-        return obs if obs is not None else GtaObserver(preset, params, n)
-    return prepare
+def _needed(obs: GtaObserver) -> GtaObserver | None:
+    """The observer, if the statistics pass has anything to find for it (thresholds, L1 sums)."""
+    return obs if (obs.needs_selection or obs.needs_l1) else None
 
 
 def _spec(name: str, params: type) -> MethodSpec:
@@ -495,7 +491,8 @@ def _spec(name: str, params: type) -> MethodSpec:
     return MethodSpec(
         name, preset.summary, preset.paper, scope, params,  # type: ignore[arg-type]
         lambda b, d, p, c: _merge(name, preset, b, d, p, c),
-        prepare=_prepare(preset), observer=_observer(preset), sparsify=preset,
+        prepare=lambda p, stats, n: getattr(stats, "observed", None) or GtaObserver(preset, p, n),
+        observer=lambda p, n, at=None: _needed(GtaObserver(preset, p, n, at)), sparsify=preset,
         row_blocks=lambda p: preset.prune == "magprune", epsilon=lambda p: 1e-5,
         per_tensor=lambda p: _per_tensor(preset, p), check=lambda p, n: _check_tie_break(name, preset, p))
 

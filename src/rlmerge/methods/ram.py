@@ -107,16 +107,13 @@ class UniqueParams:
 def rescale_factor(params: RamPlusParams, shared: int, unique: int) -> float:
     """λ for one agent from its shared/unique counts (whole model, or one tensor for tensor-local)."""
     rho = overlap_ratio(shared, unique)
+    changed = shared + unique
+    share = shared / changed if changed else 0.0  # = ρ/(1+ρ), finite at ρ = ∞; 0 for an agent that changed nothing
     if params.preset == "paper-soft":
-        changed = shared + unique
-        return 1.0 + params.r * (shared / changed if changed else 0.0)  # = r·ρ/(1+ρ), finite at ρ = ∞
-    if params.preset == "official":
-        big_r = max(params.rescale_factor, 1.0)
-        return 1.0 + (big_r - 1.0) * min(1.0, rho)
-    if params.preset == "arm-r":  # ratio shared / changed, 0 for an agent that changed nothing
-        changed = shared + unique
-        big_r = max(params.rescale_factor, 1.0)
-        return 1.0 + (big_r - 1.0) * min(max(shared / changed if changed else 0.0, 0.0), 1.0)
+        return 1.0 + params.r * share
+    if params.preset in ("official", "arm-r"):  # 1 + (R − 1)·x, R ≥ 1
+        x = min(1.0, rho) if params.preset == "official" else min(max(share, 0.0), 1.0)
+        return 1.0 + (max(params.rescale_factor, 1.0) - 1.0) * x
     return paper_lambda(params.r, params.alpha, rho)  # paper, tensor-local, sign-elect; ρ = ∞ → α
 
 

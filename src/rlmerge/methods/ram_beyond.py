@@ -84,14 +84,19 @@ def sign_elected_mean(t: Terms, total: Expr) -> Expr:
     """The mean of the active agents whose τ agrees strictly in sign with ``total`` (Σ active τ); 0 when none does
     (``total`` is 0). Every active agent with a positive τ agrees with a positive total, so none agreeing means
     the sum cancelled exactly."""
+    return agreeing_mean(t, t.x, [abs(x) > t.const.eps for x in t.x], total)
+
+
+def agreeing_mean(t: Terms, values: list[Expr], keeps: list[Expr], sign: Expr) -> Expr:
+    """The mean of the ``values`` that are kept and agree strictly in sign with ``sign``, in agent order; 0 where
+    none does: the disjoint mean of a sign election (sign-elect here, arm-ties' shared region)."""
     zero, one = t.lit(0.0), t.lit(1.0)
     agreed = count = zero
-    for x in t.x:
-        k = abs(x) > t.const.eps
-        agree = k & (((x > zero) & (total > zero)) | ((x < zero) & (total < zero)))
-        agreed = agreed + t.where(agree, x, zero)
+    for v, k in zip(values, keeps):
+        agree = k & (((v > zero) & (sign > zero)) | ((v < zero) & (sign < zero)))
+        agreed = agreed + t.where(agree, v, zero)
         count = count + t.where(agree, one, zero)
     return t.where(count > zero, agreed / t.where(count > zero, count, one), zero)
 
 
-__all__ = ["MagnitudeSums", "magnitude_rho", "paper_lambda", "sign_elected_mean"]
+__all__ = ["MagnitudeSums", "agreeing_mean", "magnitude_rho", "paper_lambda", "sign_elected_mean"]

@@ -19,7 +19,6 @@ from typing import Any, Literal
 from .._torch import torch
 from ..errors import ConfigError
 from ..params import check_range
-from ..stats import Statistics
 from .spec import BlockContext, MethodSpec
 
 
@@ -86,10 +85,6 @@ class SlerpObserver:
         return False
 
 
-def _prepare(params: SlerpParams, stats: Statistics | None, n: int) -> SlerpObserver:
-    return stats.observed  # type: ignore[union-attr]  # the engine runs the statistics pass (observer)
-
-
 def _merge(base: torch.Tensor, deltas: torch.Tensor, params: SlerpParams, ctx: BlockContext) -> torch.Tensor:
     c0, c1 = ctx.prepared.coef[ctx.name]
     v0, v1 = _ends(params, base, deltas)
@@ -97,12 +92,9 @@ def _merge(base: torch.Tensor, deltas: torch.Tensor, params: SlerpParams, ctx: B
     return base + out if (deltas.shape[0] == 2 and params.space == "task_vectors") else out
 
 
-def _observer(params: Any, n: int, at: Callable[[str], Any] | None = None) -> SlerpObserver:
-    return SlerpObserver(params, n, at)
-
-
 METHODS = [
     MethodSpec("slerp", "spherical interpolation between two models, per tensor", "Shoemake 1985 (mergekit slerp)",
-               "tensor-local", SlerpParams, _merge, prepare=_prepare, observer=_observer, epsilon=lambda p: 1e-5,
+               "tensor-local", SlerpParams, _merge, observer=SlerpObserver, epsilon=lambda p: 1e-5,
+               prepare=lambda p, stats, n: stats.observed,  # type: ignore[union-attr]  # the observer's pass
                check=_check_agents, per_tensor=lambda p: ("t",)),
 ]

@@ -19,28 +19,34 @@ from .rule import Expr, Terms
 from .spec import MethodSpec
 
 Weights = float | tuple[float, ...] | None  # one value for every agent, or one per agent; None: all 1
+PerAgent = float | tuple[float, ...]
 
 
-def each_weight(weights: Weights) -> tuple[float, ...]:
-    """The weights given (one value stands for every agent)."""
-    return () if weights is None else weights if isinstance(weights, tuple) else (weights,)
+def each(value: PerAgent | None) -> tuple[float, ...]:
+    """The values of a per-agent parameter as given (one value stands for every agent; None: none)."""
+    return () if value is None else value if isinstance(value, tuple) else (value,)
 
 
-def _check_weights(where: str, weights: Weights) -> None:
-    for w in each_weight(weights):
-        check_range(where, "weight", w, -10.0, 10.0)
+def check_each(where: str, name: str, value: PerAgent | None, lo: float, hi: float, **ends: bool) -> None:
+    """``params.check_range`` on each value of a per-agent parameter."""
+    for v in each(value):
+        check_range(where, name, v, lo, hi, **ends)
+
+
+def per_agent(value: PerAgent, n: int, where: str, name: str) -> tuple[float, ...]:
+    """One value per agent: a tuple of N as given, or one value N times."""
+    if isinstance(value, tuple):
+        if len(value) != n:
+            what = "weight(s)" if name == "weight" else f"value(s) of {name}"
+            raise ConfigError(f"{where}: {len(value)} {what} given for {n} agent(s)",
+                              hint="give one value, or one per agent in the order the agents are listed")
+        return value
+    return (float(value),) * n
 
 
 def agent_weights(where: str, weights: Weights, n: int) -> np.ndarray:
     """[N] float32 weights; all 1 when not given, all w when one value w is given."""
-    if weights is None:
-        return np.ones(n, dtype=np.float32)
-    if not isinstance(weights, tuple):
-        return np.full(n, weights, dtype=np.float32)
-    if len(weights) != n:
-        raise ConfigError(f"{where}: {len(weights)} weight(s) given for {n} agent(s)",
-                          hint="give one weight per agent, in the order the agents are listed")
-    return np.array(weights, dtype=np.float32)
+    return np.array(per_agent(1.0 if weights is None else weights, n, where, "weight"), dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ class TaskArithmeticParams:
 
     def __post_init__(self) -> None:
         check_range("task_arithmetic", "scaling", self.scaling, -10.0, 10.0)
-        _check_weights("task_arithmetic", self.weights)
+        check_each("task_arithmetic", "weight", self.weights, -10.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class LinearParams:
     normalize: bool = True
 
     def __post_init__(self) -> None:
-        _check_weights("linear", self.weights)
+        check_each("linear", "weight", self.weights, -10.0, 10.0)
 
 
 def divisor(where: str, w: np.ndarray) -> np.float32:
