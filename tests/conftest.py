@@ -30,6 +30,11 @@ def example(tmp_path: Path) -> tuple[Path, list[Path]]:
     return make_example(tmp_path / "in", shape=TINY)
 
 
+# A chat template for the tiny lab tokenizer, so that the lab's chat view (SmolLM2's) can prompt a tiny model.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def lab_checkpoints(root: Path, *, scale: float = 0.02, warm_steps: int = 0,
                     chat_template: str | None = None) -> tuple[Path, list[Path]]:
     """A tiny lab model (``rlmerge.lab``) saved as ``root/base``, and two "fine-tunes" ``root/agent1``, ``agent2``:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rlmerge
-from conftest import assert_same_tensors, lab_checkpoints, load_output
+from conftest import CHAT_TEMPLATE, assert_same_tensors, lab_checkpoints, load_output
 from rlmerge.engine.candidates import parse_all, parse_grid
 from rlmerge.errors import ConfigError, OutputError, RLMergeError
 from rlmerge.report.sweep import pareto
@@ -203,3 +203,24 @@ def test_cli_the_live_table_appears_with_the_first_candidate_not_before_the_chec
     assert "missing" in refused and "candidate(s) scored" not in refused
     assert main([*args, "-o", str(tmp_path / "ok")]) == 0
     assert "rlmerge sweep: 2 candidate(s) scored" in capsys.readouterr().err
+
+
+def test_cli_lab_view_chat_scores_as_the_lab_scores_an_instruct_model(tmp_path: Path) -> None:
+    """``--lab-view chat`` (an instruct model such as SmolLM2) reaches the scorer: the kept checkpoint, scored by the
+    lab's own scorer through the chat view from disk, gives what the sweep recorded."""
+    pytest.importorskip("transformers")
+    from rlmerge.cli import main
+    from rlmerge.lab.evaluate import load_checkpoint, score_examples
+    from rlmerge.lab.tasks import make_family, make_split
+
+    base, agents = lab_checkpoints(tmp_path / "in", chat_template=CHAT_TEMPLATE)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(base), *map(str, agents), "-o", str(out), "--candidate", "task_arithmetic scaling=1",
+                 "--tasks", "lab:coding", "--limit", "3", "--keep", "1", "--lab-view", "chat", "-q"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["settings"]["kind"] == "chat"
+    model, tok = load_checkpoint(out / "best-1")
+    want = 100.0 * score_examples(model, tok, make_split(make_family("coding"), "val", 3, 0), "chat")
+    assert doc["candidates"][0]["scores"]["lab:coding"] == pytest.approx(want, abs=1e-9)
+    assert main(["sweep", str(base), str(agents[0]), "-o", str(tmp_path / "x"), "--candidate", "ram r=1",
+                 "--tasks", "lab:coding", "--lab-view", "voice"]) == 2

@@ -24,15 +24,13 @@ from safetensors.torch import load_file
 pytest.importorskip("transformers")
 
 import rlmerge  # noqa: E402 - after the importorskip
-from conftest import lab_checkpoints  # noqa: E402
+from conftest import CHAT_TEMPLATE, lab_checkpoints  # noqa: E402
 from rlmerge.lab.evaluate import score_checkpoint  # noqa: E402
 from rlmerge.lab.grid import evaluate_candidates, pick  # noqa: E402
 from rlmerge.lab.tasks import FAMILIES, make_family, make_split  # noqa: E402
 from rlmerge.scorers import TaskScorer  # noqa: E402
 
 N_VAL = 16
-CHAT = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant:{% endif %}")
 PROVENANCE = ("rlmerge.json", "README.md")  # name the sweep (its candidate, rank, scores): not the merge's bytes
 
 
@@ -40,7 +38,8 @@ PROVENANCE = ("rlmerge.json", "README.md")  # name the sweep (its candidate, ran
 def lab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
     """A tiny lab base warmed up until it answers some validation examples right (coding, memory), and two
     agents: the base plus sparse perturbations, so that merges of them score differently (~3 s)."""
-    return lab_checkpoints(tmp_path_factory.mktemp("lab-grid"), scale=0.01, warm_steps=150, chat_template=CHAT)
+    return lab_checkpoints(tmp_path_factory.mktemp("lab-grid"), scale=0.01, warm_steps=150,
+                           chat_template=CHAT_TEMPLATE)
 
 
 def _val() -> dict[str, list[Any]]:

@@ -29,6 +29,9 @@ def sweep_command(
                                                    "lm-eval:TASK")] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="examples per task (default 128)")] = None,
     split: Annotated[str | None, typer.Option(help="the lab tasks' split: val (default) or test")] = None,
+    lab_view: Annotated[str | None, typer.Option(help="how the model sees a lab task: word (the tiny lab's "
+                                                      "models, default) or chat (an instruct model, e.g. SmolLM2)")]
+    = None,
     keep: Annotated[int | None, typer.Option(min=0, help="write the best K candidates as checkpoints")] = None,
     backend: Annotated[str | None, typer.Option(help="local, or ray (pip install 'rlmerge[ray]')")] = None,
     workers: Annotated[int | None, typer.Option(min=1, help="Ray: candidates scored at once")] = None,
@@ -51,7 +54,8 @@ def sweep_command(
     json_out: Annotated[bool, typer.Option("--json", help="print results.json's ranking as JSON")] = False,
 ) -> None:
     """Merge every candidate of BASE and AGENTs, score each on --tasks, rank them, keep the best."""
-    flags = {"tasks": tasks.split(",") if tasks else None, "limit": limit, "split": split, "keep": keep,
+    flags = {"tasks": tasks.split(",") if tasks else None, "limit": limit, "split": split, "lab_view": lab_view,
+             "keep": keep,
              "backend": backend, "workers": workers, "memory": memory, "dtype": dtype, "block_size": block_size,
              "device": device, "seed": seed, "allow_missing": allow_missing or None,
              "count_tied_twice": count_tied_twice or None, "num_fewshot": num_fewshot, "batch_size": batch_size,
@@ -64,7 +68,7 @@ def sweep_command(
         scorer = TaskScorer([t.strip() for t in s["tasks"] if t.strip()], limit=s.get("limit", 128),
                             split=s.get("split", "val"), seed=s.get("seed", 0),
                             include_path=list(s.get("include_path", [])), num_fewshot=s.get("num_fewshot"),
-                            batch_size=s.get("batch_size", 8))
+                            batch_size=s.get("batch_size", 8), kind=s.get("lab_view", "word"))
     else:
         err.print("[yellow]warning:[/] no --tasks: the candidates are merged, not scored")
     table = _LiveTable(quiet=quiet or json_out)

@@ -198,8 +198,8 @@ class SweepRecipe:
     settings: dict[str, Any]  # tasks, limit, keep, backend, … as the CLI names them
 
 
-SETTINGS = {"tasks", "limit", "keep", "backend", "workers", "memory", "split", "dtype", "seed", "block_size",
-            "device", "allow_missing", "count_tied_twice", "include_path", "num_fewshot", "batch_size"}
+SETTINGS = {"tasks", "limit", "keep", "backend", "workers", "memory", "split", "lab_view", "dtype", "seed",
+            "block_size", "device", "allow_missing", "count_tied_twice", "include_path", "num_fewshot", "batch_size"}
 
 
 def load_sweep_recipe(path: str | Path) -> SweepRecipe:
