@@ -54,12 +54,13 @@ class Run:
         """The parameters of tensor ``name`` (``params`` unless a recipe's gradient or filter made them its own)."""
         return self.params if self.at is None else self.at(name)
 
-    def rescaled(self, name: str, ctx: BlockContext) -> np.ndarray | None:
+    def rescaled(self, name: str) -> np.ndarray | None:
         """The agents whose unique elements tensor ``name`` rescales (survival.py), None for a method without."""
-        p, n = self.params_of(name), len(self.match.agents)
-        if self.spec.unique_scale is None or self.spec.program(p, n) is None:
+        if self.spec.unique_scale is None:
             return None
-        return survival.rescaled(self.spec, self.spec.values(p, ctx.prepared, ctx.tensor_stats, n, name), n)
+        p, n = self.params_of(name), len(self.match.agents)
+        values = self.spec.values(p, self.prepared, self.stats.tensors.get(name), n, name)
+        return survival.rescaled(self.spec, values, n)
 
     def context(self, job: Job, blk: Block, prepared: Any) -> BlockContext:
         return BlockContext(job.name, blk.start, blk.stop, job.info.shape, job.present, prepared,
@@ -136,16 +137,16 @@ class TorchBackend:
     def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
         run = self.run
         files = _agent_files(run.match, job.name)
-        counts, flags = np.zeros((len(run.match.agents), 2), dtype=np.int64), None
+        flags = run.rescaled(job.name)
+        counts = np.zeros((len(run.match.agents), 2), dtype=np.int64)
         for blk in self._blocks(job):
             if ts is not None:
                 count(run.stats, job, blk, files)
             else:
                 check_finite(blk.deltas, blk.deltas.sum(1), name=job.name, files=files, start=blk.start)
-            ctx = run.context(job, blk, run.prepared)
-            merged = run.spec.merge_block(blk.base, blk.deltas, run.params_of(job.name), ctx)
+            merged = run.spec.merge_block(blk.base, blk.deltas, run.params_of(job.name),
+                                          run.context(job, blk, run.prepared))
             written = cast(merged, job, blk.start)
-            flags = run.rescaled(job.name, ctx) if blk.start == 0 else flags
             if flags is not None:
                 counts = counts + survival.count_torch(blk.base, blk.deltas, written, run.stats.epsilon, flags)
             out.write_now(tensor_bytes(written))

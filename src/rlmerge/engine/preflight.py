@@ -38,8 +38,10 @@ KEEP_BASE = "base"  # --dtype base: the base's dtype, also for a method that wou
 def parse_dtype(name: str | DType | Any | None) -> DType | None:
     """'bfloat16', 'bf16', 'fp16', 'float32', … (or a DType, or a torch dtype) → the output DType; None (and
     'base') → the base's own."""
-    if name is None or isinstance(name, DType) or str(name).strip().lower() == KEEP_BASE:
-        return None if name is None or isinstance(name, str) else name
+    if isinstance(name, DType):
+        return name
+    if name is None or str(name).strip().lower() == KEEP_BASE:
+        return None
     dtype = by_name(str(name))
     if dtype not in OUT_DTYPES:
         raise ConfigError(f"unknown dtype {name!r}", hint="use bfloat16, float16, float32, or base (the base's)")

@@ -60,9 +60,9 @@ def fractions(counts: np.ndarray | None) -> list[float | None] | None:
 def warnings(labels: Sequence[str], counts: np.ndarray | None, dtypes: Sequence[str]) -> list[str]:
     """A warning per agent that kept less than WARN_BELOW of its rescale in the output dtype."""
     out = []
-    for label, share, (r, k) in zip(labels, fractions(counts) or [], [] if counts is None else counts.tolist()):
-        if share is not None and share < WARN_BELOW:
-            out.append(f"only {share:.2%} of {label}'s rescaled unique elements ({k:,} of {r:,}) keep λ in "
+    for label, (r, k) in zip(labels, [] if counts is None else counts.tolist()):
+        if r and k / r < WARN_BELOW:
+            out.append(f"only {k / r:.2%} of {label}'s rescaled unique elements ({k:,} of {r:,}) keep λ in "
                        f"{'/'.join(dtypes)}: the rest rounded back to RAM's value; write float32 (--dtype float32, "
                        "ram+'s default) to keep the method")
     return out
