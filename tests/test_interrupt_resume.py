@@ -22,9 +22,13 @@ from rlmerge.io import writer as writer_mod
 from rlmerge.io.partial import LOCK, PROGRESS, PartialDir, partial_path
 
 # A real CLI run that, in the child only, pauses before writing once HOLD_AFTER shards are complete and
-# for as long as the file HOLD exists: the signal lands mid-merge however fast the merge itself is.
+# for as long as the file HOLD exists: the signal lands mid-merge however fast the merge itself is. With STUCK set,
+# the first kernel call on a compute thread never returns (it touches STUCK first): a thread stuck for good. On
+# SIGUSR1 the child prints every thread's stack (``_wait`` asks for it when a child does not end).
 CHILD = """
-import os, sys, time
+import faulthandler, os, signal, sys, threading, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+from rlmerge import kernels
 from rlmerge.io import writer
 _write = writer.CheckpointWriter.write
 def _held(self, data):
@@ -32,14 +36,24 @@ def _held(self, data):
         time.sleep(0.01)
     _write(self, data)
 writer.CheckpointWriter.write = _held
+_kernel = kernels.fused_range
+def _stuck(*args):
+    if os.environ.get("STUCK") and threading.current_thread().name.startswith("rlmerge-compute"):
+        open(os.environ["STUCK"], "a").close()
+        while True:
+            time.sleep(0.01)
+    return _kernel(*args)
+kernels.fused_range = _stuck
 from rlmerge.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 ARGS = ["--method", "ram+", "--block-size", "256", "--shard-size", "16KB", "-q"]
 
 
-def _cli(base: Path, agents: list[Path], out: Path, *extra: str, hold: Path, after: int = 0) -> subprocess.Popen:
-    env = {**os.environ, "HOLD": str(hold), "HOLD_AFTER": str(after), "HF_HUB_OFFLINE": "1"}
+def _cli(base: Path, agents: list[Path], out: Path, *extra: str, hold: Path, after: int = 0,
+         stuck: Path | None = None) -> subprocess.Popen:
+    env = {**os.environ, "HOLD": str(hold), "HOLD_AFTER": str(after), "HF_HUB_OFFLINE": "1",
+           "STUCK": str(stuck or "")}
     cmd = [sys.executable, "-c", CHILD, "merge", str(base), *map(str, agents), "-o", str(out), *ARGS, *extra]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -52,6 +66,18 @@ def _wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 60.0) ->
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def _wait(proc: subprocess.Popen, timeout: float = 60.0) -> tuple[int, str]:
+    """The child's exit code and stderr; a child still running after ``timeout`` fails the test with its stacks."""
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        proc.kill()
+        raise AssertionError(f"still running {timeout:.0f} s after the signal:\n{proc.communicate()[1]}") from None
+    return rc, proc.stderr.read()
 
 
 def _shards_done(out: Path) -> int:
@@ -86,8 +112,9 @@ def test_sigterm_lock_and_resume_with_real_processes(example, tmp_path: Path) ->
     assert p2.wait(60) == OutputError.exit_code, p2.stderr.read()
     assert "another rlmerge run" in p2.stderr.read()
     p1.send_signal(signal.SIGTERM)
-    assert p1.wait(60) == 130
-    stderr = " ".join(p1.stderr.read().split())
+    rc, stderr = _wait(p1)
+    assert rc == 130, stderr
+    stderr = " ".join(stderr.split())
     assert "--resume" in stderr, stderr
     assert not out.exists()  # nothing that looks like a finished model
     assert partial_path(out).is_dir() and _shards_done(out) >= 1
@@ -104,9 +131,23 @@ def test_sigterm_before_any_shard_leaves_nothing(example, tmp_path: Path) -> Non
     p = _cli(base, agents, out, "--shard-size", "5GB", hold=hold)  # pauses before its first write
     _wait_for(lambda: (partial_path(out) / PROGRESS).exists(), p, "the partial folder")
     p.send_signal(signal.SIGTERM)
-    rc, stderr = p.wait(60), p.stderr.read()
+    rc, stderr = _wait(p)
     assert rc == 130 and "nothing was written" in stderr, (rc, stderr)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["hold", "in"]
+
+
+def test_sigterm_does_not_wait_for_a_stuck_compute_thread(example, tmp_path: Path, monkeypatch) -> None:
+    # A kernel call that never returns (a compile or a page fault that hangs) must not keep an interrupted run
+    # alive: the cleanup waits for it a bounded time and the process exits without joining it.
+    base, agents = example
+    out, hold, stuck = tmp_path / "out", tmp_path / "hold", tmp_path / "stuck"
+    monkeypatch.setenv("RLMERGE_THREADS", "2")  # blocks of more than one tile are cut across compute threads
+    p = _cli(base, agents, out, "--block-size", "8192", hold=hold, stuck=stuck)
+    _wait_for(stuck.exists, p, "a kernel call on a compute thread")
+    p.send_signal(signal.SIGTERM)
+    rc, stderr = _wait(p)
+    assert rc == 130 and "nothing was written" in stderr, (rc, stderr)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["in", "stuck"]
 
 
 def test_an_error_while_stopping_does_not_hide_the_interrupt(example, tmp_path: Path, monkeypatch,

@@ -14,7 +14,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Left to right, the way the data flows: what a layer may import is itself and the layers to its left.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("rlmerge._version", "rlmerge._torch", "rlmerge.errors", "rlmerge.params", "rlmerge.schedule")),
+    ("foundation", ("rlmerge._version", "rlmerge._torch", "rlmerge._threads", "rlmerge.errors", "rlmerge.params",
+                    "rlmerge.schedule")),
     ("recipe", ("rlmerge.recipe", "rlmerge.mergekit_names")),
     ("io", ("rlmerge.io",)),
     ("statistics", ("rlmerge.stats",)),

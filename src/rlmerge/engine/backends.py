@@ -14,7 +14,8 @@ write the same bytes (the golden matrix, tests/test_golden.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -87,6 +88,19 @@ def make_backends(route: Route, run: Run, *, block_size: int, device: str) -> tu
                     on_read=lambda n: _count_read(run, n))
     kind = {"fused": FusedBackend, "select": SelectBackend, "random": RandomBackend}[route.kind]
     return kind(run, fast), torch_backend  # type: ignore[abstract]
+
+
+@contextlib.contextmanager
+def closing(fast: Backend | None) -> Iterator[None]:
+    """Stop the numba backend's threads when the passes end; when they were interrupted, without waiting long
+    for a call still running (rlmerge._threads)."""
+    aborted = True
+    try:
+        yield
+        aborted = False
+    finally:
+        if fast is not None and fast.fast is not None:
+            fast.fast.close(abort=aborted)
 
 
 def _count_read(run: Run, nbytes: int) -> None:

@@ -32,7 +32,7 @@ from ..io.shardfiles import ShardFiles
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards
 from ..methods.gta import GtaObserver
 from ..stats import Statistics, TensorStats
-from .backends import Run, make_backends
+from .backends import Run, closing, make_backends
 from .blocks import DEFAULT_BLOCK
 from .build import Context, Scored, Scorer, build_and_score, warm
 from .cache import StatsCache
@@ -214,14 +214,11 @@ def _merge_task(req: _Request, shard_ids: list[int], expected: list[str], prepar
         files = ShardFiles(Path(output), Path(tmp))
         writer = CheckpointWriter(files, sub.jobs, metadata=metadata, fsync=fsync, shards=mine,  # type: ignore
                                   background=fast is not None)
-        try:
+        with closing(fast):
             with Progress(quiet=True) as progress, writer:
                 merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=collect)
                 writer.complete()
             _fault_point()
-        finally:
-            if fast is not None and fast.fast is not None:
-                fast.fast.close()
         return (files.records, (stats.tensors if collect else {}), run.read_bytes,
                 dict(getattr(run.observer, "kept", None) or {}))
     finally:

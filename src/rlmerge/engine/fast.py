@@ -8,13 +8,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .. import kernels
+from .._threads import Workers
 from .._torch import torch
 from ..errors import ConfigError
 from ..io.dtypes import BF16, F32, DType
@@ -138,18 +139,19 @@ class FastPath:
         self.gram = np.zeros((self.threads, n, n), dtype=np.float64)
         self._dummy_out = np.empty(1, dtype=np.float32)
         self.mapped = Mapped()
-        self._compute = ThreadPoolExecutor(self.threads, thread_name_prefix="rlmerge-compute")
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="rlmerge-read")
+        self._compute = Workers(self.threads, "rlmerge-compute")
+        self._reader = Workers(1, "rlmerge-read")
 
     def step(self, job: Job) -> int:
         """Elements per block of ``job``: ``block``, or with ``rows`` whole rows and tiles (row_step)."""
         return row_step(job.info.shape, job.numel, self.block) if self.rows else self.block
 
-    def close(self) -> None:
-        """Stop the threads and drop the mappings."""
-        self._compute.shutdown(wait=True, cancel_futures=True)
-        self._reader.shutdown(wait=True, cancel_futures=True)
-        self.mapped.close()
+    def close(self, *, abort: bool = False) -> None:
+        """Stop the threads and drop the mappings (``abort``: an interrupted run; see rlmerge._threads)."""
+        ended = self._compute.close(abort=abort)
+        ended = self._reader.close(abort=abort) and ended
+        if ended:  # a call still running may read the mapped files: they then go with the process
+            self.mapped.close()
 
     # -- reading ---------------------------------------------------------------------------------------
     def _read(self, slot: _Slot, job: Job, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
@@ -243,7 +245,7 @@ class FastPath:
         """``fn(*part)`` on the compute threads, one call per given part (fast_random cuts at chunk boundaries)."""
         if len(parts) == 1:
             return [fn(*parts[0])]
-        return list(self._compute.map(lambda a: fn(*a), parts))
+        return self._compute.map(fn, parts)
 
     def raise_non_finite(self, job: Job, start: int, base: np.ndarray, agents: Any) -> None:
         def f32(a: np.ndarray, dtype: DType) -> torch.Tensor:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,7 @@ from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdow
 from ..report.provenance import model_card, provenance
 from ..stats import Statistics
 from . import survival
-from .backends import Backend, Run, make_backends
+from .backends import Run, closing, make_backends
 from .blocks import DEFAULT_BLOCK, device_type, spans
 from .match import Match
 from .passes import merge_pass, statistics_pass
@@ -148,7 +147,7 @@ def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool]
     chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, cached=cache, at=at)
     fast, torch_backend = make_backends(chosen, run, block_size=block_size, device=device)
     writer = make_writer(fast is not None)
-    with Progress(quiet=quiet) as progress, _closing(fast), writer:
+    with Progress(quiet=quiet) as progress, closing(fast), writer:
         if writer.resumed:  # the kept shards' tensors are not merged again: a statistics pass recounts them
             chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=True,
                            cached=cache, at=at)
@@ -194,7 +193,7 @@ def statistics_only(match: Match, spec: MethodSpec, p: Any, chosen: Route, *, bl
     stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
     run = Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents)), extras=list(extras))
     fast, torch_backend = make_backends(chosen, run, block_size=block_size, device=device)
-    with Progress(quiet=True) as progress, _closing(fast):
+    with Progress(quiet=True) as progress, closing(fast):
         statistics_pass(run, chosen, fast, torch_backend, progress)
     stats.observed = run.observer
     if cache is not None:
@@ -234,16 +233,6 @@ def cached_statistics(cache: CacheView, match: Match, spec: MethodSpec, p: Any, 
         return None
     order = [j for j in jobs if j.name in numba] + [j for j in jobs if j.name not in numba] if counted else jobs
     return cache.statistics(spec, p, [a.label for a in match.agents], order, numba)
-
-
-@contextlib.contextmanager
-def _closing(fast: Backend | None) -> Iterator[None]:
-    """Stop the numba backend's threads when the merge ends (also when it is interrupted)."""
-    try:
-        yield
-    finally:
-        if fast is not None and fast.fast is not None:
-            fast.fast.close()
 
 
 

@@ -13,17 +13,16 @@ import errno
 import functools
 import json
 import os
-import queue
 import re
 import sys
-import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from .._threads import Workers
 from ..errors import ConfigError, InputError
 from .dtypes import DType
 from .partial import PartialDir, disk_error
@@ -138,47 +137,6 @@ def shard_header(shard: Shard, metadata: dict[str, str]) -> bytes:
     return len(body).to_bytes(8, "little") + body
 
 
-class WriteQueue:
-    """Calls run in submission order on one daemon thread.
-
-    A daemon thread and a bounded wait on abort: an interrupted merge (Ctrl-C, SIGTERM) must neither wait
-    for nor be kept alive by a write stuck on a slow disk; the interrupted output is partial anyway.
-    """
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._abort = False
-        self._thread = threading.Thread(target=self._loop, name="rlmerge-write", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._q.put((fut, fn, args))
-        return fut
-
-    def _loop(self) -> None:
-        failed: BaseException | None = None  # after a failed call, the later ones fail with its error
-        while (item := self._q.get()) is not None:
-            fut, fn, args = item
-            if self._abort:
-                fut.cancel()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            if failed is not None:
-                fut.set_exception(failed)
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # handed to whoever waits on the future
-                failed = e
-                fut.set_exception(e)
-
-    def close(self, *, abort: bool) -> None:
-        self._abort = abort
-        self._q.put(None)
-        self._thread.join(timeout=5.0 if abort else None)
-
-
 class CheckpointWriter:
     """Streams shards into a claimed ``PartialDir`` and publishes it onto the output at the end.
 
@@ -214,7 +172,7 @@ class CheckpointWriter:
         self._flushed = 0  # … and of those, handed to the disk (writeback started)
         self._remaining = 0  # bytes still owed to the current tensor
         self._background = background
-        self._queue: WriteQueue | None = None
+        self._queue: Workers | None = None  # the writer thread (background=True)
         self._last: Future[Any] | None = None
         self._notes: dict[str, Any] = {}  # tensor → what the merge noted about it (annotate)
 
@@ -230,7 +188,7 @@ class CheckpointWriter:
             except OSError as e:
                 raise disk_error(e, path) from e
         if self._background:
-            self._queue = WriteQueue()
+            self._queue = Workers(1, "rlmerge-write", chained=True)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
