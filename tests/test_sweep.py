@@ -224,3 +224,26 @@ def test_cli_lab_view_chat_scores_as_the_lab_scores_an_instruct_model(tmp_path: 
     assert doc["candidates"][0]["scores"]["lab:coding"] == pytest.approx(want, abs=1e-9)
     assert main(["sweep", str(base), str(agents[0]), "-o", str(tmp_path / "x"), "--candidate", "ram r=1",
                  "--tasks", "lab:coding", "--lab-view", "voice"]) == 2
+
+
+def test_long_candidate_labels_are_cut_on_the_plot_only() -> None:
+    # Labels with side-input paths are long: whole on the plot's axis they squeezed the bars to nothing
+    # (matplotlib: "constrained_layout not applied because axes sizes collapsed to zero").
+    import warnings
+
+    from rlmerge.report import sweep as report
+
+    long = "fisher fisher=" + ",".join(f"/some/long/path/to/fisher/side-input-{i}" for i in range(3))
+    cands = [{"id": i, "label": f"{long} {i}", "average": 0.1 * i, "scores": {"a": 0.1 * i, "b": 0.2},
+              "where": "memory", "merge_seconds": 1.0, "score_seconds": 1.0, "passes": ["merge"], "read_bytes": 0}
+             for i in range(3)]
+    doc = {"base": "b", "agents": ["x", "y"], "tasks": ["a", "b"], "candidates": cands, "ranking": [2, 1, 0],
+           "pareto": [2]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        files = report.render_report(doc)
+        ticks = [t.get_text() for t in report.figure(doc).axes[0].get_yticklabels()]
+    assert files["plot.png"].startswith(b"\x89PNG")
+    assert ticks == [report._short(f"{long} {i}") for i in (2, 1, 0)]
+    assert all(len(t) <= report.PLOT_LABEL for t in ticks)
+    assert all(f"`{long} {i}`" in files["report.md"].decode() for i in range(3))  # whole in the report

@@ -44,7 +44,7 @@ def test_an_aborted_close_waits_a_bounded_time_for_a_stuck_call_and_drops_the_qu
         time.sleep(0.001)
     t0 = time.monotonic()
     assert w.close(abort=True) is False  # the stuck call still runs …
-    assert time.monotonic() - t0 < 2.0  # … and was not waited for
+    assert time.monotonic() - t0 < 4.0  # … and was not waited for (0.2 s here)
     assert all(t.daemon for t in w._threads)  # nor will it keep the process alive
     release.set()
     assert stuck.result(5) is True and queued.cancelled()

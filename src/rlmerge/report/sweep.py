@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 DPI = 150
+PLOT_LABEL = 48  # characters of a candidate label on the plot
 
 
 def pareto(scores: Sequence[Mapping[str, float]]) -> list[int]:
@@ -83,7 +84,7 @@ def figure(doc: dict[str, Any]) -> Any:
     ax = axes[0]
     colors = ["#d95f02" if c["id"] in front else "#7570b3" for c in ranked]
     ax.barh(range(len(ranked)), [c["average"] for c in ranked], color=colors)
-    ax.set_yticks(range(len(ranked)), [c["label"] for c in ranked], fontsize=7)
+    ax.set_yticks(range(len(ranked)), [_short(c["label"]) for c in ranked], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("average score (orange: Pareto set)")
     if two:
@@ -92,10 +93,16 @@ def figure(doc: dict[str, Any]) -> Any:
         for c in ranked:
             if x in c["scores"] and y in c["scores"]:
                 ax2.scatter(c["scores"][x], c["scores"][y], color="#d95f02" if c["id"] in front else "#7570b3")
-                ax2.annotate(c["label"], (c["scores"][x], c["scores"][y]), fontsize=6)
+                ax2.annotate(_short(c["label"]), (c["scores"][x], c["scores"][y]), fontsize=6)
         ax2.set_xlabel(x)
         ax2.set_ylabel(y)
     return fig
+
+
+def _short(label: str, most: int = PLOT_LABEL) -> str:
+    """A candidate's label as the plot shows it: long ones (side-input paths) cut, so that the bars keep their
+    room; report.md has them whole."""
+    return label if len(label) <= most else label[:most - 1] + "…"
 
 
 def render_report(doc: dict[str, Any]) -> dict[str, bytes]:
