@@ -72,6 +72,18 @@ def load_output(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def numba_route(base: Path, agents: list[Path], method: str, **kw: object) -> tuple[frozenset[str], set[str]]:
+    """(the merged tensors the numba backend merges, every merged tensor) of the merge ``preflight`` plans."""
+    from rlmerge.engine.preflight import preflight
+
+    pf = preflight(base, agents, None, method=method, **kw)
+    try:
+        assert not pf.problems, [p.render() for p in pf.problems]
+        return pf.route.fast, {j.name for j in pf.match.merge_jobs}
+    finally:
+        pf.close()
+
+
 def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:

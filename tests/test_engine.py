@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rlmerge
-from conftest import TINY, assert_same_tensors, load_output
+from conftest import TINY, assert_same_tensors, load_output, numba_route
 from reference import ram_reference
 from rlmerge.synthetic import Shape, make_example
 
@@ -135,3 +135,22 @@ def test_three_agents_of_tiny_shape_lambda_values_are_reported(tmp_path: Path) -
     base, agents = make_example(tmp_path / "in", shape=TINY, densities=(0.05, 0.5))
     res = rlmerge.merge(base, agents, tmp_path / "o")
     assert len(res.lambdas) == 2 and all(1.0 <= x <= 1.2 for x in res.lambdas)
+
+
+@pytest.mark.parametrize("method", ["ram+", "ties", "dare_ties", "della", "model_stock"])
+def test_bin_inputs_take_the_numba_path_and_write_the_same_bytes(example, tmp_path: Path, method: str) -> None:
+    # .bin checkpoints are read into the numba path's blocks (Checkpoint.read_into), no longer sent to torch.
+    base, agents = example
+    bins = []
+    for i, m in enumerate([base, *agents]):
+        d = tmp_path / f"bin{i}"
+        d.mkdir()
+        torch.save(load_output(m), d / "pytorch_model.bin")
+        (d / "config.json").write_text((m / "config.json").read_text())
+        bins.append(d)
+    fast, merged = numba_route(bins[0], bins[1:], method)
+    assert fast == merged and merged
+    kw = {"method": method, "block_size": 3000}
+    rlmerge.merge(base, agents, tmp_path / "st", **kw)
+    rlmerge.merge(bins[0], bins[1:], tmp_path / "bin", **kw)
+    assert_same_tensors(load_output(tmp_path / "bin"), load_output(tmp_path / "st"))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import rlmerge
-from conftest import load_output
+from conftest import load_output, numba_route
 from rlmerge.engine.dryrun import dry_run
 from rlmerge.errors import InputError
 from rlmerge.io.open import open_all
@@ -97,6 +97,8 @@ def test_resume_fingerprint_covers_every_shard(verl_run: dict[str, Path]) -> Non
 def test_merge_from_shards_equals_merge_of_model_merger_output(verl_run: dict[str, Path], tmp_path: Path,
                                                                method: str) -> None:
     v = verl_run
+    fast, merged = numba_route(v["base"], [v["a"].parent, v["b"]], method)
+    assert fast == merged  # the shards are read into the numba path's blocks (VerlCheckpoint.read_into)
     rlmerge.merge(v["base"], [v["a"].parent, v["b"]], tmp_path / "shards", method=method, block_size=100)
     rlmerge.merge(v["base"], [v["a_hf"], v["b_hf"]], tmp_path / "hf", method=method)
     got, ref = load_output(tmp_path / "shards"), load_output(tmp_path / "hf")

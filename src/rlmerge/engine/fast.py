@@ -81,7 +81,7 @@ def stats_args(n_agents: int, eps: float) -> RuleArgs:
 def eligible(match: Match, job: Job) -> bool:
     if job.kind != "merge" or not all(job.present) or job.out_dtype not in STORED or job.info.dtype not in STORED:
         return False
-    if any(m.format != "safetensors" for m in (match.base, *match.agents)):
+    if not all(m.stored_bytes for m in (match.base, *match.agents)):  # a LoRA adapter: τ, on the torch path
         return False
     dtypes = {a.tensors[job.name].dtype for a in match.agents}
     return len(dtypes) == 1 and dtypes.pop() in STORED and len(match.agents) <= kernels.MAX_AGENTS

@@ -219,6 +219,10 @@ def _inside(path: Path, roots: list[Path]) -> bool:
 class Checkpoint:
     """A model folder: its tensors (from headers only), its config and where each byte lives."""
 
+    # ``read_into`` gives any tensor's stored bytes, and may run on a reader thread beside the other reads: the
+    # numba path can read this checkpoint (False: an adapter, which supplies τ itself; io/lora.py)
+    stored_bytes = True
+
     def __init__(self, path: Path, *, label: str | None = None, revision: str | None = None) -> None:
         self.path = path
         self.label = label or str(path)
@@ -388,14 +392,22 @@ class Checkpoint:
         return buf
 
     def read_into(self, name: str, start: int, stop: int, buf: memoryview) -> memoryview:
-        """Stored bytes of flat elements [start, stop) of ``name`` (safetensors only) into ``buf``.
+        """Stored bytes of flat elements [start, stop) of ``name`` into ``buf`` (its first bytes, returned).
 
-        One ``preadv`` straight from the page cache into the caller's buffer: no mmap pages piling up in
-        the resident set, and the GIL is released, so a reader thread overlaps it with computation.
+        safetensors: one ``preadv`` straight from the page cache into the caller's buffer: no mmap pages piling
+        up in the resident set, and the GIL is released, so a reader thread overlaps it with computation.
+        ``.bin``: copied from the mapped state dict. Neither touches the shared scratch (read_raw's), so a reader
+        thread may call it while another thread reads this checkpoint.
         """
         info = self.tensors[name]
         size = info.dtype.itemsize
-        return self.pread(info.file, info.offset + start * size, buf[:(stop - start) * size], info.name)
+        out = buf[:(stop - start) * size]
+        if self.format == "bin":
+            if stop > start:  # torch.frombuffer refuses empty buffers
+                dst = torch.frombuffer(out, dtype=info.dtype.torch, count=stop - start)
+                dst.copy_(self._bin[info.file][info.name].reshape(-1)[start:stop])
+            return out
+        return self.pread(info.file, info.offset + start * size, out, info.name)
 
     def fd(self, file: Path) -> contextlib.AbstractContextManager[int]:
         """``with ckpt.fd(file) as fd:`` a descriptor of ``file`` from the shared pool (safe across threads)."""

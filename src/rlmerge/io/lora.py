@@ -65,6 +65,8 @@ class LoraModule:
 class LoraAdapter(Checkpoint):
     """A PEFT LoRA adapter folder; ``bind(base)`` gives it the base's tensors (τ = 0 where not adapted)."""
 
+    stored_bytes = False  # τ = s·B@A is computed (read_delta_f32), never stored: the torch path reads it
+
     def _index(self) -> None:
         self.format = "lora"
         raw_cfg = self.path / "adapter_config.json"
@@ -246,7 +248,7 @@ class LoraAdapter(Checkpoint):
         return memoryview(self._raw.view(torch.uint8).numpy()).cast("B")
 
     def read_into(self, name: str, start: int, stop: int, buf: memoryview) -> memoryview:
-        raise NotImplementedError("the fast path reads safetensors only")  # fastpath.eligible keeps LoRA off it
+        raise NotImplementedError("an adapter supplies τ, not stored bytes")  # stored_bytes: the numba path skips it
 
     def _bound(self) -> Checkpoint:
         if self._base is None:

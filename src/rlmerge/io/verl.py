@@ -189,20 +189,25 @@ class VerlCheckpoint(Checkpoint):
             if s < e:
                 yield p, s - lo, e - lo
 
-    def _fill(self, name: str, start: int, stop: int, dst: torch.Tensor) -> torch.Tensor:
+    def _fill(self, name: str, start: int, stop: int, dst: torch.Tensor, *, private: bool = False) -> torch.Tensor:
         """Stored elements [start, stop) converted into ``dst`` (torch's casts: float32 → bf16 rounds to
-        nearest even, as ``Tensor.bfloat16()`` in verl's model_merger)."""
+        nearest even, as ``Tensor.bfloat16()`` in verl's model_merger). ``private``: never through the shared
+        scratch (a reader thread's read_into): a piece in ``dst``'s dtype is read straight into it."""
         at = 0
         for p, s, e in self._spans(name, start, stop):
             n = e - s
-            raw = self._pread(p, s, e)
-            dst[at:at + n].copy_(torch.frombuffer(raw, dtype=p.dtype.torch, count=n))
+            part = dst[at:at + n]
+            if private and p.dtype.torch == dst.dtype:
+                self.pread(p.file, p.offset + s * p.dtype.itemsize, memoryview(part.view(torch.uint8).numpy()))
+            else:
+                part.copy_(torch.frombuffer(self._pread(p, s, e, private), dtype=p.dtype.torch, count=n))
             at += n
         return dst
 
-    def _pread(self, p: Piece, s: int, e: int) -> memoryview:
-        size = p.dtype.itemsize
-        return self.pread(p.file, p.offset + s * size, self.scratch((e - s) * size))
+    def _pread(self, p: Piece, s: int, e: int, private: bool = False) -> memoryview:
+        nbytes = (e - s) * p.dtype.itemsize
+        return self.pread(p.file, p.offset + s * p.dtype.itemsize,
+                          memoryview(bytearray(nbytes)) if private else self.scratch(nbytes))
 
     def read_f32(self, name: str, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         name = self.tensors[name].name  # an alias reads its stored tensor
@@ -220,7 +225,14 @@ class VerlCheckpoint(Checkpoint):
         return memoryview(self._raw.view(torch.uint8).numpy()).cast("B")
 
     def read_into(self, name: str, start: int, stop: int, buf: memoryview) -> memoryview:
-        raise NotImplementedError("the fast path reads safetensors only")  # fastpath.eligible keeps verl off it
+        """The bytes ``read_raw`` gives (float32 master weights rounded to bfloat16), into ``buf``; safe beside
+        other reads of this checkpoint (no shared scratch)."""
+        info = self.tensors[name]
+        out = buf[:(stop - start) * info.dtype.itemsize]
+        if stop > start:
+            self._fill(info.name, start, stop, torch.frombuffer(out, dtype=info.dtype.torch, count=stop - start),
+                       private=True)
+        return out
 
 
 def _is_dtensor(v: Any) -> bool:
