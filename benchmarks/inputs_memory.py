@@ -3,12 +3,13 @@
 Builds (once, reused) the Qwen2.5-0.5B-shaped synthetic set of benchmarks/dataset.py (bf16 base, "coder" and
 "tool-use" agents), a verl actor checkpoint of "coder" written by verl's own FSDPCheckpointManager on 2 gloo
 ranks (tests/verl_driver.py with --steps 0, so its float32 shards round back to coder's bf16 bytes), and a
-rank-16 PEFT adapter on every linear layer. Then runs three merges (RAM+, two agents) in child processes under
+rank-16 PEFT adapter on every linear layer. Then runs four merges (RAM+, two agents) in child processes under
 ``/usr/bin/time -v`` and prints each one's peak RSS and wall time:
 
-    safetensors    base + [coder, tool-use]                      (the fast path, for comparison)
-    verl W=2       base + [global_step_0/actor of coder, tool-use]
-    LoRA r=16      base + [adapter, tool-use]
+    safetensors    base + [coder, tool-use]                      (the numba path, for comparison)
+    verl W=2       base + [global_step_0/actor of coder, tool-use]   (the numba path)
+    verl, torch    the same on the torch path (RLMERGE_FAST=0): the baseline of this run
+    LoRA r=16      base + [adapter, tool-use]                    (the torch path: an adapter supplies τ)
 
     .venv/bin/python benchmarks/inputs_memory.py [--workdir DIR] [--block-size N]
 
@@ -59,8 +60,9 @@ def _lora(base: Path, out: Path) -> None:
     pm.save_pretrained(out)
 
 
-def _measure(label: str, argv: list[str]) -> tuple[float, float]:
-    done = subprocess.run(["/usr/bin/time", "-v", *argv], capture_output=True, text=True)
+def _measure(label: str, argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    done = subprocess.run(["/usr/bin/time", "-v", *argv], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
     if done.returncode != 0:
         raise SystemExit(f"{label} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1)) / 2**20
@@ -87,12 +89,18 @@ def main() -> None:
     outs = root / "out"
     shutil.rmtree(outs, ignore_errors=True)
     outs.mkdir()
-    for label, agent in (("safetensors", coder), ("verl W=2", actor), ("LoRA r=16", adapter)):
-        _measure(label, [rlmerge, "merge", str(base), str(agent), str(tools), "-o", str(outs / label.split()[0]),
-                         "--method", "ram+", "-q", *extra])
-    ref, got = (load_file(outs / d / "model.safetensors") for d in ("safetensors", "verl"))
-    same = ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
-    print(f"verl merge byte-identical to the safetensors merge: {same}")
+    walls = {}
+    for label, agent, env in (("safetensors", coder, None), ("verl W=2", actor, None),
+                              ("verl, torch", actor, {"RLMERGE_FAST": "0"}), ("LoRA r=16", adapter, None)):
+        out = outs / label.split()[0].strip(",") / ("torch" if env else "default")
+        _, walls[label] = _measure(label, [rlmerge, "merge", str(base), str(agent), str(tools), "-o", str(out),
+                                           "--method", "ram+", "-q", *extra], env)
+    ref = load_file(outs / "safetensors" / "default" / "model.safetensors")
+    for d in ("default", "torch"):
+        got = load_file(outs / "verl" / d / "model.safetensors")
+        same = ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+        print(f"verl merge ({d} path) byte-identical to the safetensors merge: {same}")
+    print(f"verl: torch path / numba path wall = {walls['verl, torch'] / walls['verl W=2']:.1f}x")
     shards = sum(f.stat().st_size for f in actor.glob("model_world_size_*"))
     lora = (adapter / "adapter_model.safetensors").stat().st_size / 2**20
     print(f"inputs: one bf16 model {(coder / 'model.safetensors').stat().st_size / 2**30:.2f} GiB; verl model shards "
