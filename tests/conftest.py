@@ -72,6 +72,14 @@ def load_output(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+
+def as_bin(model: Path, folder: Path) -> Path:
+    """``model`` saved again as ``folder/pytorch_model.bin`` with its config.json."""
+    folder.mkdir(parents=True)
+    torch.save(load_output(model), folder / "pytorch_model.bin")
+    (folder / "config.json").write_text((model / "config.json").read_text())
+    return folder
+
 def numba_route(base: Path, agents: list[Path], method: str, **kw: object) -> tuple[frozenset[str], set[str]]:
     """(the merged tensors the numba backend merges, every merged tensor) of the merge ``preflight`` plans."""
     from rlmerge.engine.preflight import preflight

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rlmerge
-from conftest import TINY, assert_same_tensors, load_output, numba_route
+from conftest import TINY, as_bin, assert_same_tensors, load_output, numba_route
 from reference import ram_reference
 from rlmerge.synthetic import Shape, make_example
 
@@ -141,13 +141,7 @@ def test_three_agents_of_tiny_shape_lambda_values_are_reported(tmp_path: Path) -
 def test_bin_inputs_take_the_numba_path_and_write_the_same_bytes(example, tmp_path: Path, method: str) -> None:
     # .bin checkpoints are read into the numba path's blocks (Checkpoint.read_into), no longer sent to torch.
     base, agents = example
-    bins = []
-    for i, m in enumerate([base, *agents]):
-        d = tmp_path / f"bin{i}"
-        d.mkdir()
-        torch.save(load_output(m), d / "pytorch_model.bin")
-        (d / "config.json").write_text((m / "config.json").read_text())
-        bins.append(d)
+    bins = [as_bin(m, tmp_path / f"bin{i}") for i, m in enumerate([base, *agents])]
     fast, merged = numba_route(bins[0], bins[1:], method)
     assert fast == merged and merged
     kw = {"method": method, "block_size": 3000}

@@ -41,6 +41,9 @@ WORK_FIXED = 32  # bytes per element: counts, merged block, output cast, bincoun
 # task_arithmetic within 2 MiB of these): ~176 MiB fixed and 8.2 bytes per element, where the formula below
 # gives (N + 1) · 2 + 2 = 10.
 FAST_BASELINE = 176 * 2**20  # bytes: interpreter + numpy + numba + the loaded kernels and threads, no torch
+# Measured the same way with .bin inputs (2026-12-04): 366 MiB fixed with one .bin input (torch loaded to read
+# it) and ~23 bytes per element (the blocks copied into two slots, where safetensors are viewed in place).
+TORCH_LOADED = 190 * 2**20  # bytes: torch, on the numba path, when an input is read by copy (.bin, verl shards)
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,12 @@ def estimate_memory(base: Checkpoint, agents: Sequence[Checkpoint], block_size: 
     itemsize = max((t.dtype.itemsize for m in models for t in m.tensors.values()), default=4)
     buffers = 4 * b * (n + 1) + itemsize * b * (n + 1)
     work = b * (WORK_PER_AGENT * n + WORK_FIXED)
-    mapped = sum(f.stat().st_size for m in models if m.format == "bin" for f in m.files)
-    return MemoryEstimate(b, buffers, work, BASELINE, mapped)
+    return MemoryEstimate(b, buffers, work, BASELINE, _mapped(models))
+
+
+def _mapped(models: Sequence[Checkpoint]) -> int:
+    """Bytes of the memory-mapped ``.bin`` files among ``models`` (file-backed, reclaimable)."""
+    return sum(f.stat().st_size for m in models if m.format == "bin" for f in m.files)
 
 
 def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, rows: bool = False,
@@ -80,7 +87,9 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     No torch: ``FAST_BASELINE`` (the interpreter, numpy, numba, the loaded kernels, the threads). Per element of
     a block: one block of every input file mapped (the block being computed; a finished one is handed back)
     and the output written from the slots. The per-thread histograms, and ``mask_bytes`` (a tensor's keep
-    bits for DARE / DELLA with L1 rescaling) on top.
+    bits for DARE / DELLA with L1 rescaling) on top. An input that cannot be viewed in place (``.bin``, verl
+    shards) has every block copied into two alternating slots, and its reader loads torch (``TORCH_LOADED``);
+    mapped ``.bin`` files are reported apart, as for the torch path.
     """
     from ..kernels import hist_shape
     from .fast import compute_threads, fast_block, row_step
@@ -93,8 +102,12 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     itemsize = max((t.dtype.itemsize for m in models for t in m.tensors.values()), default=4)
     out = max((j.out_dtype.itemsize for j in match.merge_jobs), default=4)
     buffers = b * ((n + 1) * itemsize + out)
+    baseline = FAST_BASELINE
+    if not all(m.viewable for m in models):  # every block is copied (engine/fast.FastPath.blocks)
+        buffers += 2 * b * (n + 1) * itemsize
+        baseline += TORCH_LOADED
     hist = compute_threads() * 8 * math.prod(hist_shape(min(n, 8)))
-    return MemoryEstimate(b, buffers, hist + mask_bytes, FAST_BASELINE, 0)
+    return MemoryEstimate(b, buffers, hist + mask_bytes, baseline, _mapped(models))
 
 
 def available_memory() -> int | None:

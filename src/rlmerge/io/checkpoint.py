@@ -223,6 +223,12 @@ class Checkpoint:
     # numba path can read this checkpoint (False: an adapter, which supplies τ itself; io/lora.py)
     stored_bytes = True
 
+    @property
+    def viewable(self) -> bool:
+        """Its stored bytes can be viewed in place in a mapping of its files (safetensors); the others are read
+        into buffers, with torch's help (``.bin``, verl shards)."""
+        return self.format == "safetensors"
+
     def __init__(self, path: Path, *, label: str | None = None, revision: str | None = None) -> None:
         self.path = path
         self.label = label or str(path)

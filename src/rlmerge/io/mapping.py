@@ -64,7 +64,7 @@ class Mapped:
         info = ckpt.tensors[name]
         size = info.dtype.itemsize
         lo = info.offset + start * size
-        if ckpt.format != "safetensors" or lo % size or stop <= start:
+        if not ckpt.viewable or lo % size or stop <= start:
             return None
         mm, mapped_size = self._map(ckpt, info.file)
         with ckpt.fd(info.file) as fd:
