@@ -57,3 +57,30 @@ def test_a_merge_leaves_no_thread_running(example, tmp_path: Path) -> None:
     rlmerge.merge(base, agents, tmp_path / "out2", method="ram+")
     left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
     assert left == []
+
+
+def test_two_threads_reading_one_checkpoint_each_get_their_own_bytes(example) -> None:
+    # The numba path's reader thread reads a checkpoint while the main thread copies from it (read_raw): each
+    # thread's read buffer is its own (Checkpoint.scratch). With one shared buffer the bytes below get mixed.
+    from rlmerge.io.open import open_all
+
+    base, _ = example
+    (ckpt,) = open_all([base])
+    names = sorted(ckpt.tensors, key=lambda n: -ckpt.tensors[n].numel)[:2]
+    want = {n: bytes(ckpt.read_raw(n, 0, ckpt.tensors[n].numel)) for n in names}
+    bad: list[str] = []
+
+    def reader(name: str) -> None:
+        for _ in range(300):
+            got = ckpt.read_raw(name, 0, ckpt.tensors[name].numel)
+            if bytes(got) != want[name]:
+                bad.append(name)
+                return
+
+    threads = [threading.Thread(target=reader, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ckpt.close()
+    assert bad == []

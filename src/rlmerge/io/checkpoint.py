@@ -239,7 +239,7 @@ class Checkpoint:
         self.side_dir = path  # where config.json and the tokenizer files live (verl: actor/huggingface)
         self.notes: list[str] = []  # what the reader did that a user should know (the match reports them)
         self._bin: dict[Path, dict[str, torch.Tensor]] = {}
-        self._scratch = bytearray()
+        self._local = threading.local()  # each thread's read buffer (scratch)
         self.roots = _allowed_roots(path)
         config = self._read_json("config.json")
         if config is not None and not isinstance(config, dict):
@@ -382,10 +382,12 @@ class Checkpoint:
         return self.read_into(info.name, start, stop, self.scratch(nbytes))
 
     def scratch(self, nbytes: int) -> memoryview:
-        """The first ``nbytes`` of this checkpoint's reused read buffer (grown when too small)."""
-        if len(self._scratch) < nbytes:
-            self._scratch = bytearray(nbytes)
-        return memoryview(self._scratch)[:nbytes]
+        """The first ``nbytes`` of this checkpoint's reused read buffer for the calling thread (grown when too
+        small): the numba path's reader thread reads a checkpoint while the main thread copies from it."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.buf = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
 
     def pread(self, file: Path, offset: int, buf: memoryview, tensor: str | None = None) -> memoryview:
         """``len(buf)`` stored bytes of ``file`` from ``offset`` into ``buf``: one ``preadv`` through the shared
@@ -402,8 +404,7 @@ class Checkpoint:
 
         safetensors: one ``preadv`` straight from the page cache into the caller's buffer: no mmap pages piling
         up in the resident set, and the GIL is released, so a reader thread overlaps it with computation.
-        ``.bin``: copied from the mapped state dict. Neither touches the shared scratch (read_raw's), so a reader
-        thread may call it while another thread reads this checkpoint.
+        ``.bin``: copied from the mapped state dict.
         """
         info = self.tensors[name]
         size = info.dtype.itemsize
@@ -421,7 +422,7 @@ class Checkpoint:
 
     def close(self) -> None:
         FILES.close(self.files)
-        self._scratch = bytearray()
+        self._local = threading.local()
 
 
 def _bin_dtype(f: Path, name: str, t: torch.Tensor) -> DType:

@@ -189,25 +189,21 @@ class VerlCheckpoint(Checkpoint):
             if s < e:
                 yield p, s - lo, e - lo
 
-    def _fill(self, name: str, start: int, stop: int, dst: torch.Tensor, *, private: bool = False) -> torch.Tensor:
+    def _fill(self, name: str, start: int, stop: int, dst: torch.Tensor) -> torch.Tensor:
         """Stored elements [start, stop) converted into ``dst`` (torch's casts: float32 → bf16 rounds to
-        nearest even, as ``Tensor.bfloat16()`` in verl's model_merger). ``private``: never through the shared
-        scratch (a reader thread's read_into): a piece in ``dst``'s dtype is read straight into it."""
+        nearest even, as ``Tensor.bfloat16()`` in verl's model_merger); a piece in ``dst``'s dtype is read
+        straight into it."""
         at = 0
         for p, s, e in self._spans(name, start, stop):
             n = e - s
-            part = dst[at:at + n]
-            if private and p.dtype.torch == dst.dtype:
-                self.pread(p.file, p.offset + s * p.dtype.itemsize, memoryview(part.view(torch.uint8).numpy()))
+            part, offset = dst[at:at + n], p.offset + s * p.dtype.itemsize
+            if p.dtype.torch == dst.dtype:
+                self.pread(p.file, offset, memoryview(part.view(torch.uint8).numpy()), name)
             else:
-                part.copy_(torch.frombuffer(self._pread(p, s, e, private), dtype=p.dtype.torch, count=n))
+                raw = self.pread(p.file, offset, self.scratch(n * p.dtype.itemsize), name)
+                part.copy_(torch.frombuffer(raw, dtype=p.dtype.torch, count=n))
             at += n
         return dst
-
-    def _pread(self, p: Piece, s: int, e: int, private: bool = False) -> memoryview:
-        nbytes = (e - s) * p.dtype.itemsize
-        return self.pread(p.file, p.offset + s * p.dtype.itemsize,
-                          memoryview(bytearray(nbytes)) if private else self.scratch(nbytes))
 
     def read_f32(self, name: str, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         name = self.tensors[name].name  # an alias reads its stored tensor
@@ -225,13 +221,11 @@ class VerlCheckpoint(Checkpoint):
         return memoryview(self._raw.view(torch.uint8).numpy()).cast("B")
 
     def read_into(self, name: str, start: int, stop: int, buf: memoryview) -> memoryview:
-        """The bytes ``read_raw`` gives (float32 master weights rounded to bfloat16), into ``buf``; safe beside
-        other reads of this checkpoint (no shared scratch)."""
+        """The bytes ``read_raw`` gives (float32 master weights rounded to bfloat16), into ``buf``."""
         info = self.tensors[name]
         out = buf[:(stop - start) * info.dtype.itemsize]
         if stop > start:
-            self._fill(info.name, start, stop, torch.frombuffer(out, dtype=info.dtype.torch, count=stop - start),
-                       private=True)
+            self._fill(info.name, start, stop, torch.frombuffer(out, dtype=info.dtype.torch, count=stop - start))
         return out
 
 
