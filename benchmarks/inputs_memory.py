@@ -9,7 +9,8 @@ rank-16 PEFT adapter on every linear layer. Then runs four merges (RAM+, two age
     safetensors    base + [coder, tool-use]                      (the numba path, for comparison)
     verl W=2       base + [global_step_0/actor of coder, tool-use]   (the numba path)
     verl, torch    the same on the torch path (RLMERGE_FAST=0): the baseline of this run
-    LoRA r=16      base + [adapter, tool-use]                    (the torch path: an adapter supplies τ)
+    LoRA r=16      base + [adapter, tool-use]                    (the numba path, the agents as τ)
+    LoRA, torch    the same on the torch path (RLMERGE_FAST=0): the baseline of this run
 
     .venv/bin/python benchmarks/inputs_memory.py [--workdir DIR] [--block-size N]
 
@@ -91,7 +92,8 @@ def main() -> None:
     outs.mkdir()
     walls = {}
     for label, agent, env in (("safetensors", coder, None), ("verl W=2", actor, None),
-                              ("verl, torch", actor, {"RLMERGE_FAST": "0"}), ("LoRA r=16", adapter, None)):
+                              ("verl, torch", actor, {"RLMERGE_FAST": "0"}), ("LoRA r=16", adapter, None),
+                              ("LoRA, torch", adapter, {"RLMERGE_FAST": "0"})):
         out = outs / label.split()[0].strip(",") / ("torch" if env else "default")
         _, walls[label] = _measure(label, [rlmerge, "merge", str(base), str(agent), str(tools), "-o", str(out),
                                            "--method", "ram+", "-q", *extra], env)
@@ -100,7 +102,11 @@ def main() -> None:
         got = load_file(outs / "verl" / d / "model.safetensors")
         same = ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
         print(f"verl merge ({d} path) byte-identical to the safetensors merge: {same}")
-    print(f"verl: torch path / numba path wall = {walls['verl, torch'] / walls['verl W=2']:.1f}x")
+    got, ref = (load_file(outs / "LoRA" / d / "model.safetensors") for d in ("default", "torch"))
+    same = got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    print(f"LoRA merge: numba path byte-identical to the torch path: {same}")
+    for what, numba in (("verl", "verl W=2"), ("LoRA", "LoRA r=16")):
+        print(f"{what}: torch path / numba path wall = {walls[f'{what}, torch'] / walls[numba]:.1f}x")
     shards = sum(f.stat().st_size for f in actor.glob("model_world_size_*"))
     lora = (adapter / "adapter_model.safetensors").stat().st_size / 2**20
     print(f"inputs: one bf16 model {(coder / 'model.safetensors').stat().st_size / 2**30:.2f} GiB; verl model shards "

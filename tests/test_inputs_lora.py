@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import rlmerge
-from conftest import TINY, load_output
+from conftest import TINY, assert_same_tensors, load_output, numba_route
 from rlmerge.engine.dryrun import dry_run
 from rlmerge.engine.fast import eligible
 from rlmerge.engine.match import match_models
@@ -119,7 +119,28 @@ def test_block_size_and_fast_path(lora, tmp_path: Path) -> None:
     assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
     ckpts = open_all([base, *adapters])
     plan = match_models(ckpts[0], ckpts[1:])
-    assert not any(eligible(plan, j) for j in plan.jobs)  # the fused kernels read stored bytes; τ is computed
+    assert not any(eligible(plan, j) for j in plan.jobs)  # kernels that read stored bytes: τ is computed …
+    assert any(eligible(plan, j, tau=True) for j in plan.jobs)  # … the rule kernel takes every agent's τ
+    assert numba_route(base, adapters, "ties")[0] == frozenset()  # TIES' kernels read stored bytes: torch
+
+
+@pytest.mark.parametrize(("method", "params"), [("ram+", None), ("ram", None), ("task_arithmetic", {"scaling": 0.7}),
+                                                ("model_stock", None), ("ram+", {"preset": "arm-r"})])
+@pytest.mark.parametrize("mix", ["adapters", "adapter+full"])
+def test_adapters_on_the_numba_path_write_the_torch_paths_bytes(lora, tmp_path: Path, monkeypatch, method: str,
+                                                               params: dict | None, mix: str) -> None:
+    # The rule kernel takes the agents as τ when one is an adapter: every agent's τ as the torch path computes it.
+    base, adapters, fulls = lora
+    agents = adapters if mix == "adapters" else [adapters[0], fulls[1]]
+    fast, merged = numba_route(base, agents, method, params=params)
+    assert fast == merged and merged
+    kw = {"method": method, "params": params, "dtype": "bfloat16"}
+    plan = dry_run(base, agents, tmp_path / "numba", block_size=3000, **kw)
+    res = rlmerge.merge(base, agents, tmp_path / "numba", block_size=3000, **kw)
+    assert (res.passes, res.read_bytes) == (plan.passes, plan.read_bytes)  # plan says what the merge reads
+    monkeypatch.setenv("RLMERGE_FAST", "0")
+    rlmerge.merge(base, agents, tmp_path / "torch", **kw)
+    assert_same_tensors(load_output(tmp_path / "numba"), load_output(tmp_path / "torch"))
 
 
 def test_inspect_and_plan_say_lora_tau_is_dense(lora, tmp_path: Path) -> None:

@@ -88,8 +88,9 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     a block: one block of every input file mapped (the block being computed; a finished one is handed back)
     and the output written from the slots. The per-thread histograms, and ``mask_bytes`` (a tensor's keep
     bits for DARE / DELLA with L1 rescaling) on top. An input that cannot be viewed in place (``.bin``, verl
-    shards) has every block copied into two alternating slots, and its reader loads torch (``TORCH_LOADED``);
-    mapped ``.bin`` files are reported apart, as for the torch path.
+    shards, a LoRA adapter) has every block copied into two alternating slots (as float32 τ when an agent is an
+    adapter), and its reader loads torch (``TORCH_LOADED``); mapped ``.bin`` files are reported apart, as for the
+    torch path.
     """
     from ..kernels import hist_shape
     from .fast import compute_threads, fast_block, row_step
@@ -103,8 +104,9 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     out = max((j.out_dtype.itemsize for j in match.merge_jobs), default=4)
     buffers = b * ((n + 1) * itemsize + out)
     baseline = FAST_BASELINE
-    if not all(m.viewable for m in models):  # every block is copied (engine/fast.FastPath.blocks)
-        buffers += 2 * b * (n + 1) * itemsize
+    if not all(m.viewable for m in models):  # every block is copied (engine/fast.FastPath.blocks) …
+        tau = not all(a.stored_bytes for a in match.agents)  # … with the agents as float32 τ (a LoRA adapter)
+        buffers += 2 * b * (itemsize + n * (4 if tau else itemsize))
         baseline += TORCH_LOADED
     hist = compute_threads() * 8 * math.prod(hist_shape(min(n, 8)))
     return MemoryEstimate(b, buffers, hist + mask_bytes, baseline, _mapped(models))

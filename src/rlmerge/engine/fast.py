@@ -78,13 +78,17 @@ def stats_args(n_agents: int, eps: float) -> RuleArgs:
     return RuleArgs(None, np.zeros(0, dtype=np.float32), np.zeros((0, n_agents), dtype=np.float32), np.float32(eps))
 
 
-def eligible(match: Match, job: Job) -> bool:
+def eligible(match: Match, job: Job, *, tau: bool = False) -> bool:
+    """Whether ``job`` can run on the numba backend. ``tau``: the kernel takes the agents as τ (the fused rule
+    kernel can), so an agent that supplies τ rather than stored bytes (a LoRA adapter) is no obstacle."""
     if job.kind != "merge" or not all(job.present) or job.out_dtype not in STORED or job.info.dtype not in STORED:
         return False
-    if not all(m.stored_bytes for m in (match.base, *match.agents)):  # a LoRA adapter: τ, on the torch path
+    if not match.base.stored_bytes or not all(a.stored_bytes or tau for a in match.agents):
         return False
     dtypes = {a.tensors[job.name].dtype for a in match.agents}
-    return len(dtypes) == 1 and dtypes.pop() in STORED and len(match.agents) <= kernels.MAX_AGENTS
+    as_tau = not all(a.stored_bytes for a in match.agents)  # every agent read as float32 τ (FastPath._read_tau)
+    return ((len(dtypes) == 1 or as_tau) and all(d in STORED for d in dtypes)
+            and len(match.agents) <= kernels.MAX_AGENTS)
 
 
 def fast_block(match: Match, block_size: int) -> int:
@@ -139,6 +143,8 @@ class FastPath:
         self.gram = np.zeros((self.threads, n, n), dtype=np.float64)
         self._dummy_out = np.empty(1, dtype=np.float32)
         self.mapped = Mapped()
+        # an agent supplies τ (a LoRA adapter): every agent's τ is read into the blocks, in float32 (_read_tau)
+        self.tau = not all(a.stored_bytes for a in match.agents)
         self._compute = Workers(self.threads, "rlmerge-compute")
         self._reader = Workers(1, "rlmerge-read")
 
@@ -156,6 +162,8 @@ class FastPath:
     # -- reading ---------------------------------------------------------------------------------------
     def _read(self, slot: _Slot, job: Job, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """A copy of the block in ``slot``: base [n], agents [N, n] (read-only, like the mapped views)."""
+        if self.tau:
+            return self._read_tau(slot, job, start, stop)
         n = stop - start
         bdt = STORED[job.info.dtype]
         adt = STORED[self.match.agents[0].tensors[job.name].dtype]
@@ -167,6 +175,27 @@ class FastPath:
             a.read_into(job.name, start, stop, memoryview(agents[t * n * size:(t + 1) * n * size]))
         base, agents = base.view(bdt), agents.view(adt).reshape(len(self.match.agents), n)
         base.flags.writeable = agents.flags.writeable = False  # one kernel signature for copies and views
+        return base, agents
+
+    def _read_tau(self, slot: _Slot, job: Job, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """The block in ``slot`` with every agent as its τ in float32 [N, n]: what the torch path computes
+        (engine/blocks.py), θ_t − θ₀ in float32 or the adapter's own τ, so the kernel's τ are the same values."""
+        n = stop - start
+        bdt = STORED[job.info.dtype]
+        base = slot.base[: n * np.dtype(bdt).itemsize]
+        self.match.base.read_into(job.name, start, stop, memoryview(base))
+        b32 = torch.from_numpy(base.view(bdt)).view(job.info.dtype.torch).float()
+        agents = slot.agents[: len(self.match.agents) * n * 4].view(np.float32).reshape(len(self.match.agents), n)
+        taus = torch.from_numpy(agents)
+        for t, a in enumerate(self.match.agents):
+            if a.stored_bytes:
+                info = a.tensors[job.name]
+                raw = a.read_into(job.name, start, stop, a.scratch(n * info.dtype.itemsize))
+                taus[t].copy_(torch.frombuffer(raw, dtype=info.dtype.torch, count=n)).sub_(b32)
+            else:
+                a.read_delta_f32(job.name, start, stop, b32, taus[t])
+        base = base.view(bdt)
+        base.flags.writeable = agents.flags.writeable = False
         return base, agents
 
     def _views(self, job: Job, start: int, stop: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]] | None:
@@ -210,7 +239,8 @@ class FastPath:
                 if self._views(*nxt) is None:  # a copy: read it while this block is computed
                     pending = self._reader.submit(self._read, self.slots[(k + 1) % 2], *nxt)
             if self.on_read is not None:
-                self.on_read(views[0].nbytes + sum(a.nbytes for a in views[1]))
+                self.on_read((stop - start) * sum(m.tensors[job.name].dtype.itemsize  # stored bytes (τ: more)
+                                                  for m in (self.match.base, *self.match.agents)))
             yield job, start, stop, slot, views[0], views[1]
             self._advise(job, start, stop, DONTNEED)
 
@@ -228,7 +258,7 @@ class FastPath:
         bad = self.parallel(n, lambda k, lo, hi: kernels.fused_range(
             prog, base, agents, lo, hi, args.eps, args.consts, args.agent_consts, dest,
             self.hist[k] if ts is not None else None, self.gram[k] if ts is not None else None, self.exact_gram,
-            args.rescaled if kept is not None else None, kept[k] if kept is not None else None))
+            args.rescaled if kept is not None else None, kept[k] if kept is not None else None, self.tau))
         if any(bad):
             self.raise_non_finite(job, start, base, agents)
         if ts is not None:
@@ -252,7 +282,8 @@ class FastPath:
             return torch.from_numpy(np.array(a)).view(dtype.torch).float()
 
         b = f32(base, job.info.dtype)
-        deltas = f32(np.stack(agents), self.match.agents[0].tensors[job.name].dtype) - b
+        deltas = (torch.from_numpy(np.stack(agents)) if self.tau  # the blocks hold τ already
+                  else f32(np.stack(agents), self.match.agents[0].tensors[job.name].dtype) - b)
         files = [str(a.tensors[job.name].file) for a in self.match.agents]
         check_finite(deltas, torch.tensor([float("nan")]), name=job.name, files=files, start=start)
 

@@ -75,7 +75,7 @@ def route(match: Match, spec: MethodSpec | None, p: Any, *, device: str = "cpu",
                      {j.name: 0 for j in jobs}, memory, sum(_bytes(match, j, ()) for j in jobs), 0)
     observer = spec.observer(p, n, at)
     kind = _kind(match, spec, p, observer, device=device, extras=extras)
-    fast = frozenset(j.name for j in jobs if kind != "torch" and eligible(match, j))
+    fast = frozenset(j.name for j in jobs if kind != "torch" and eligible(match, j, tau=kind == "fused"))
     # an observer (thresholds made in the statistics pass) runs on torch, whatever merges afterwards
     stats_fast = fast if (observer is None or kind in ("select", "random")) else frozenset()
     block = fast_block(match, block_size)
@@ -111,7 +111,7 @@ def _kind(match: Match, spec: MethodSpec, p: Any, observer: Any, *, device: str,
     if preset is not None and not preset.windowed:
         return "random" if every else "torch"
     if (spec.program(p, len(match.agents)) is not None and not spec.row_blocks(p)
-            and any(eligible(match, j) for j in match.merge_jobs)):
+            and any(eligible(match, j, tau=True) for j in match.merge_jobs)):  # the rule kernel takes τ too
         return "fused"
     return "torch"
 

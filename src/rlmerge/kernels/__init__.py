@@ -25,7 +25,7 @@ HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 
 def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo: int, hi: int, eps: Any,
                 consts: Any, agent_consts: Any, out: Any, hist: Any, gram: Any, exact: bool = False,
-                rescaled: Any = None, kept: Any = None) -> bool:
+                rescaled: Any = None, kept: Any = None, tau: bool = False) -> bool:
     """Elements [lo, hi) of one block through a method's elementwise ``program`` (methods/rule.py; None: the
     statistics only); True when a τ is not finite.
 
@@ -35,8 +35,9 @@ def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo:
     or are both None: then nothing is gathered and no τ is checked (a statistics pass over the same bytes
     already did). ``exact``: gram from float64 products, for a method that merges with it (model_stock); else
     float32 sums over tiles. ``kept`` [N, 2] int64 (with ``rescaled`` [N] bool; both None without a statistics
-    pass's hist): what the written output kept of a rescale of unique elements (engine/survival.py). Compiled on first
-    use for each (program, N, dtypes), cached on disk.
+    pass's hist): what the written output kept of a rescale of unique elements (engine/survival.py). ``tau``: each
+    agent's array holds its τ in float32 instead (engine/fast.py, when an agent is a LoRA adapter). Compiled on
+    first use for each (program, N, dtypes, tau), cached on disk.
     """
     from .fused import PROGRAMS, STATS_ONLY, ProgramKey
     from .fused import fused_range as kernel
@@ -45,7 +46,7 @@ def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo:
     if program is not None:
         PROGRAMS.setdefault(key, program)
     return bool(kernel(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, rescaled, kept,
-                       ProgramKey(key)))
+                       ProgramKey(key, tau)))
 
 
 # The sparsify family's entry points, as the engine calls them: (module, function), imported on first use.

@@ -28,12 +28,14 @@ class ProgramKey:
     """A program's key as a kernel argument: its numba type carries the key, so the dispatcher picks the
     program's compiled specialisation from the argument types alone. (``numba.literally`` on an int did the
     same, but sent every call through the dispatcher's compile path: 3.3 ms per call, measured, which made a
-    0.5B merge 2.4× slower.)"""
+    0.5B merge 2.4× slower.) ``tau``: the agents come as their float32 τ, not as stored values (a LoRA
+    adapter supplies τ; engine/fast.py then gives every agent's)."""
 
-    __slots__ = ("key",)
+    __slots__ = ("key", "tau")
 
-    def __init__(self, key: int) -> None:
+    def __init__(self, key: int, tau: bool = False) -> None:
         self.key = key
+        self.tau = tau
 
 
 # The rounding's source comes from codec.py, whose edits numba's cache (keyed by this file) would not notice:
@@ -42,14 +44,15 @@ _CODEC_STAMP = hashlib.sha256(repr(sorted(PUT_SOURCE.items())).encode()).hexdige
 
 
 class ProgramKeyType(types.Opaque):
-    def __init__(self, key: int) -> None:
+    def __init__(self, key: int, tau: bool) -> None:
         self.program = key
-        super().__init__(name=f"RuleProgram({key}, codec {_CODEC_STAMP})")
+        self.tau = tau
+        super().__init__(name=f"RuleProgram({key}, {'tau' if tau else 'stored'}, codec {_CODEC_STAMP})")
 
 
 @typeof_impl.register(ProgramKey)
 def _typeof_key(val, c):  # type: ignore[no-untyped-def]
-    return ProgramKeyType(val.key)
+    return ProgramKeyType(val.key, val.tau)
 
 
 register_model(ProgramKeyType)(models.OpaqueModel)
@@ -135,11 +138,13 @@ def _program_lines(p: Program) -> tuple[list[str], list[str], str]:
 
 
 def source(n: int, key: int, collect: bool, base: str = "uint16", agent: str = "uint16", out: str = "uint16",
-           kept: bool = False) -> str:
+           kept: bool = False, tau: bool = False) -> str:
     """Python source of the tile loop for ``n`` agents running program ``key`` (STATS_ONLY: none); dtypes are
-    the stored numpy names; ``kept``: also count what the written tile kept of a rescale (_KEPT)."""
+    the stored numpy names; ``kept``: also count what the written tile kept of a rescale (_KEPT); ``tau``: the
+    agents' arrays hold τ itself (float32), not stored values."""
     unpack = [f"    a{t} = agents[{t}]" for t in range(n)]
-    lines = [f"        x{t} = {_DECODE[agent].format(x=f'a{t}[i]')} - b" for t in range(n)]
+    lines = [f"        x{t} = a{t}[i]" if tau else f"        x{t} = {_DECODE[agent].format(x=f'a{t}[i]')} - b"
+             for t in range(n)]
     if collect:
         lines += [f"        tau[{t}, j] = x{t}" for t in range(n)]
     hoisted: list[str] = []
@@ -181,8 +186,10 @@ def _tile_ov(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, res
     if not isinstance(key, ProgramKeyType) or not isinstance(agents, types.UniTuple):
         return None
     collect = not isinstance(tau, types.NoneType)
+    if key.tau and str(agents.dtype.dtype) != "float32":
+        return None
     src = source(agents.count, key.program, collect, str(base.dtype), str(agents.dtype.dtype), str(out.dtype),
-                 kept=not isinstance(kept, types.NoneType))
+                 kept=not isinstance(kept, types.NoneType), tau=key.tau)
     scope = {"np": np, "_u32_as_f32": _u32_as_f32, "_f32_as_u32": _f32_as_u32}
     exec(src, scope)  # noqa: S102 source built above from a traced program
     return scope["tile"]
