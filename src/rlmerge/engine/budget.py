@@ -93,7 +93,7 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     torch path.
     """
     from ..kernels import hist_shape
-    from .fast import compute_threads, fast_block, row_step
+    from .fast import compute_threads, fast_block, reads_tau, row_step
 
     n = len(match.agents) if n_agents is None else n_agents
     b = fast_block(match, block_size)
@@ -105,8 +105,7 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     buffers = b * ((n + 1) * itemsize + out)
     baseline = FAST_BASELINE
     if not all(m.viewable for m in models):  # every block is copied (engine/fast.FastPath.blocks) …
-        tau = not all(a.stored_bytes for a in match.agents)  # … with the agents as float32 τ (a LoRA adapter)
-        buffers += 2 * b * (itemsize + n * (4 if tau else itemsize))
+        buffers += 2 * b * (itemsize + n * (4 if reads_tau(match) else itemsize))  # … as float32 τ for LoRA
         baseline += TORCH_LOADED
     hist = compute_threads() * 8 * math.prod(hist_shape(min(n, 8)))
     return MemoryEstimate(b, buffers, hist + mask_bytes, baseline, _mapped(models))

@@ -78,16 +78,21 @@ def stats_args(n_agents: int, eps: float) -> RuleArgs:
     return RuleArgs(None, np.zeros(0, dtype=np.float32), np.zeros((0, n_agents), dtype=np.float32), np.float32(eps))
 
 
+def reads_tau(match: Match) -> bool:
+    """The numba path reads every agent as its float32 τ (FastPath._read_tau): an agent supplies τ rather than
+    stored bytes (a LoRA adapter), and only the rule kernel can take that."""
+    return not all(a.stored_bytes for a in match.agents)
+
+
 def eligible(match: Match, job: Job, *, tau: bool = False) -> bool:
     """Whether ``job`` can run on the numba backend. ``tau``: the kernel takes the agents as τ (the fused rule
     kernel can), so an agent that supplies τ rather than stored bytes (a LoRA adapter) is no obstacle."""
     if job.kind != "merge" or not all(job.present) or job.out_dtype not in STORED or job.info.dtype not in STORED:
         return False
-    if not match.base.stored_bytes or not all(a.stored_bytes or tau for a in match.agents):
+    if not match.base.stored_bytes or (reads_tau(match) and not tau):
         return False
-    dtypes = {a.tensors[job.name].dtype for a in match.agents}
-    as_tau = not all(a.stored_bytes for a in match.agents)  # every agent read as float32 τ (FastPath._read_tau)
-    return ((len(dtypes) == 1 or as_tau) and all(d in STORED for d in dtypes)
+    dtypes = {a.tensors[job.name].dtype for a in match.agents}  # as τ, the agents' dtypes need not agree
+    return ((len(dtypes) == 1 or reads_tau(match)) and all(d in STORED for d in dtypes)
             and len(match.agents) <= kernels.MAX_AGENTS)
 
 
@@ -143,8 +148,7 @@ class FastPath:
         self.gram = np.zeros((self.threads, n, n), dtype=np.float64)
         self._dummy_out = np.empty(1, dtype=np.float32)
         self.mapped = Mapped()
-        # an agent supplies τ (a LoRA adapter): every agent's τ is read into the blocks, in float32 (_read_tau)
-        self.tau = not all(a.stored_bytes for a in match.agents)
+        self.tau = reads_tau(match)  # every agent's τ is read into the blocks, in float32 (_read_tau)
         self._compute = Workers(self.threads, "rlmerge-compute")
         self._reader = Workers(1, "rlmerge-read")
 
