@@ -105,7 +105,8 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     buffers = b * ((n + 1) * itemsize + out)
     baseline = FAST_BASELINE
     if not all(m.viewable for m in models):  # every block is copied (engine/fast.FastPath.blocks) …
-        buffers += 2 * b * (itemsize + n * (4 if reads_tau(match) else itemsize))  # … as float32 τ for LoRA
+        # … the agents as float32 τ beside the base in float32 with a LoRA adapter
+        buffers += 2 * b * (itemsize + (4 * n + 4 if reads_tau(match) else n * itemsize))
         baseline += TORCH_LOADED
     hist = compute_threads() * 8 * math.prod(hist_shape(min(n, 8)))
     return MemoryEstimate(b, buffers, hist + mask_bytes, baseline, _mapped(models))

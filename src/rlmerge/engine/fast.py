@@ -127,6 +127,7 @@ class _Slot:
         self.base = np.empty(block * 4, dtype=np.uint8)
         self.agents = np.empty(n_agents * block * 4, dtype=np.uint8)
         self.out = np.empty(block * 4, dtype=np.uint8)
+        self.b32 = np.empty(block, dtype=np.float32)  # the base in float32, when the agents are read as τ
         self.written: Future[None] | None = None  # the write of ``out`` still in flight
 
 
@@ -188,7 +189,7 @@ class FastPath:
         bdt = STORED[job.info.dtype]
         base = slot.base[: n * np.dtype(bdt).itemsize]
         self.match.base.read_into(job.name, start, stop, memoryview(base))
-        b32 = torch.from_numpy(base.view(bdt)).view(job.info.dtype.torch).float()
+        b32 = torch.from_numpy(slot.b32[:n]).copy_(torch.from_numpy(base.view(bdt)).view(job.info.dtype.torch))
         agents = slot.agents[: len(self.match.agents) * n * 4].view(np.float32).reshape(len(self.match.agents), n)
         taus = torch.from_numpy(agents)
         for t, a in enumerate(self.match.agents):
