@@ -228,9 +228,10 @@ class LoraAdapter(Checkpoint):
 
     def _whole(self, info: TensorInfo) -> torch.Tensor:
         """The small factor of a product, whole, kept while one tensor is read."""
-        if self._a_cache is None or self._a_cache[0] != info.name:
-            self._a_cache = (info.name, self._stored_f32(info, 0, info.numel).view(*info.shape))
-        return self._a_cache[1]
+        cached = self._a_cache  # one read: the numba path's reader thread and the torch path may both be here
+        if cached is None or cached[0] != info.name:
+            cached = self._a_cache = (info.name, self._stored_f32(info, 0, info.numel).view(*info.shape))
+        return cached[1]
 
     def read_f32(self, name: str, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         """θ = θ₀ + τ in float32 (the engine asks for τ itself: ``read_delta_f32``)."""
