@@ -193,3 +193,22 @@ def test_missing_rank_and_megatron_are_refused(verl_run: dict[str, Path], tmp_pa
     with pytest.raises(InputError, match="Megatron") as info:
         open_all([mega])
     assert "python -m verl.model_merger merge --backend megatron" in (info.value.hint or "")
+
+
+def test_verl_shards_beside_a_lora_adapter_on_the_numba_path(verl_run: dict[str, Path], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # With an adapter among the agents the numba path reads every agent as τ; the verl reader rounds its float32
+    # shards through its own scratch buffer, which must not be the buffer it is asked to fill.
+    from test_inputs_lora import _adapter
+
+    v = verl_run
+    adapter = _adapter(v["base"], tmp_path / "adapter", 0, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    agents = [v["a"], adapter]
+    fast, merged = numba_route(v["base"], agents, "ram+")
+    assert fast == merged
+    rlmerge.merge(v["base"], agents, tmp_path / "numba", method="ram+", block_size=100)
+    monkeypatch.setenv("RLMERGE_FAST", "0")
+    rlmerge.merge(v["base"], agents, tmp_path / "torch", method="ram+")
+    got, ref = load_output(tmp_path / "numba"), load_output(tmp_path / "torch")
+    assert got.keys() == ref.keys() and all(torch.equal(got[k].view(torch.uint8), ref[k].view(torch.uint8))
+                                            for k in ref)

@@ -127,7 +127,9 @@ class _Slot:
         self.base = np.empty(block * 4, dtype=np.uint8)
         self.agents = np.empty(n_agents * block * 4, dtype=np.uint8)
         self.out = np.empty(block * 4, dtype=np.uint8)
-        self.b32 = np.empty(block, dtype=np.float32)  # the base in float32, when the agents are read as τ
+        self.b32 = np.empty(block, dtype=np.float32)  # when the agents are read as τ: the base in float32 …
+        self.raw = np.empty(block * 4, dtype=np.uint8)  # … and one agent's stored bytes (not a reader's scratch,
+        # which the reader may use itself: verl rounds float32 shards through it)
         self.written: Future[None] | None = None  # the write of ``out`` still in flight
 
 
@@ -195,7 +197,7 @@ class FastPath:
         for t, a in enumerate(self.match.agents):
             if a.stored_bytes:
                 info = a.tensors[job.name]
-                raw = a.read_into(job.name, start, stop, a.scratch(n * info.dtype.itemsize))
+                raw = a.read_into(job.name, start, stop, memoryview(slot.raw))
                 taus[t].copy_(torch.frombuffer(raw, dtype=info.dtype.torch, count=n)).sub_(b32)
             else:
                 a.read_delta_f32(job.name, start, stop, b32, taus[t])
