@@ -58,6 +58,17 @@ def device_type(device: str) -> str:
     return str(dev.type)
 
 
+def read_delta(agent: Checkpoint, name: str, start: int, stop: int, base: torch.Tensor,
+               out: torch.Tensor) -> torch.Tensor:
+    """τ of ``agent`` over flat elements [start, stop) of ``name`` in float32, into ``out``: θ_t − θ₀ from its
+    stored values (``base``: θ₀ there, float32), or the τ an agent supplies itself (a LoRA adapter). Both backends
+    read τ through this (the numba one when an agent is an adapter: engine/fast.FastPath._read_tau)."""
+    own = getattr(agent, "read_delta_f32", None)
+    if own is not None:
+        return own(name, start, stop, base, out)
+    return agent.read_f32(name, start, stop, out).sub_(base[:stop - start])
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor, as the writer takes them."""
     return memoryview(t.contiguous().view(torch.uint8).numpy())
@@ -136,12 +147,8 @@ class BlockReader:
                     ckpt.read_f32(job.name, start, stop, self._extra[t])
             deltas = self._agents[:, :n]
             for t, (agent, present) in enumerate(zip(match.agents, job.present)):
-                own_delta = getattr(agent, "read_delta_f32", None)  # an agent that supplies τ itself (LoRA)
-                if present and own_delta is not None:
-                    own_delta(job.name, start, stop, base, self._agents[t])
-                elif present:
-                    agent.read_f32(job.name, start, stop, self._agents[t])
-                    deltas[t].sub_(base)
+                if present:
+                    read_delta(agent, job.name, start, stop, base, self._agents[t])
                 else:
                     deltas[t].zero_()
             if device.type != "cpu":

@@ -26,7 +26,7 @@ from ..methods._ops import row_length
 from ..methods.rule import Program
 from ..stats import Statistics, TensorStats, check_finite
 from . import survival
-from .blocks import device_type
+from .blocks import device_type, read_delta
 from .match import Job, Match
 
 STORED = {BF16: np.uint16, F32: np.float32}  # dtypes the kernels decode and encode
@@ -127,9 +127,7 @@ class _Slot:
         self.base = np.empty(block * 4, dtype=np.uint8)
         self.agents = np.empty(n_agents * block * 4, dtype=np.uint8)
         self.out = np.empty(block * 4, dtype=np.uint8)
-        self.b32 = np.empty(block, dtype=np.float32)  # when the agents are read as τ: the base in float32 …
-        self.raw = np.empty(block * 4, dtype=np.uint8)  # … and one agent's stored bytes (not a reader's scratch,
-        # which the reader may use itself: verl rounds float32 shards through it)
+        self.b32 = np.empty(block, dtype=np.float32)  # the base in float32, when the agents are read as τ
         self.written: Future[None] | None = None  # the write of ``out`` still in flight
 
 
@@ -195,12 +193,7 @@ class FastPath:
         agents = slot.agents[: len(self.match.agents) * n * 4].view(np.float32).reshape(len(self.match.agents), n)
         taus = torch.from_numpy(agents)
         for t, a in enumerate(self.match.agents):
-            if a.stored_bytes:
-                info = a.tensors[job.name]
-                raw = a.read_into(job.name, start, stop, memoryview(slot.raw))
-                taus[t].copy_(torch.frombuffer(raw, dtype=info.dtype.torch, count=n)).sub_(b32)
-            else:
-                a.read_delta_f32(job.name, start, stop, b32, taus[t])
+            read_delta(a, job.name, start, stop, b32, taus[t])
         base = base.view(bdt)
         base.flags.writeable = agents.flags.writeable = False
         return base, agents
