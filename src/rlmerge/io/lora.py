@@ -14,8 +14,9 @@ over the base it is merged with. Its task vector is, per base tensor W (PEFT's `
 
 Blocks are computed in float32 from rows of B (columns of A when transposed) in tiles of a fixed number of rows,
 so an element's value never depends on the block size; memory is the block plus one tile plus the smaller
-factor. The engine gets τ itself (``read_delta_f32``), never base + τ rounded to a storage dtype, and the
-fused fast path never takes a LoRA agent (its format is not safetensors; fastpath.eligible).
+factor. The engine gets τ itself (``read_delta_f32``, through engine/blocks.read_delta), never base + τ rounded
+to a storage dtype: the torch path, and the numba path's rule kernel, which then takes every agent as τ
+(engine/fast.reads_tau); TIES / DARE / DELLA's kernels read stored bytes, so with an adapter they run on torch.
 
 Refused with what to do: DoRA, ``lora_alpha: 0`` (a placeholder some converters write), initialisations that
 rewrite the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), LoRA on an lm_head the base ties to its
@@ -65,7 +66,7 @@ class LoraModule:
 class LoraAdapter(Checkpoint):
     """A PEFT LoRA adapter folder; ``bind(base)`` gives it the base's tensors (τ = 0 where not adapted)."""
 
-    stored_bytes = False  # τ = s·B@A is computed (read_delta_f32), never stored: the torch path reads it
+    stored_bytes = False  # τ = s·B@A is computed (read_delta_f32), never stored: engine/blocks.read_delta
 
     def _index(self) -> None:
         self.format = "lora"
@@ -249,7 +250,7 @@ class LoraAdapter(Checkpoint):
         return memoryview(self._raw.view(torch.uint8).numpy()).cast("B")
 
     def read_into(self, name: str, start: int, stop: int, buf: memoryview) -> memoryview:
-        raise NotImplementedError("an adapter supplies τ, not stored bytes")  # stored_bytes: the numba path skips it
+        raise NotImplementedError("an adapter supplies τ, not stored bytes")  # stored_bytes: read_delta instead
 
     def _bound(self) -> Checkpoint:
         if self._base is None:
