@@ -20,6 +20,7 @@ from rlmerge import kernels
 from rlmerge.engine import fast_random as fastdare
 from rlmerge.methods import _l1, _ops
 from rlmerge.methods._ops import chunk_seed, uniform
+from rlmerge.methods.gta import Combine
 from rlmerge.synthetic import Shape, make_example
 from test_fastpath import _edge_models, _same_bytes, same_counts
 from test_interrupt_resume import _files, _shards_done
@@ -35,6 +36,11 @@ WIDE = Shape("qwen2", vocab=3000, hidden=64, layers=1, heads=4, kv_heads=2, inte
 def wide(tmp_path: Path) -> tuple[Path, list[Path]]:
     return make_example(tmp_path / "wide", shape=WIDE)
 
+
+def plain_sum(n: int) -> tuple[np.ndarray, np.ndarray, object]:
+    """The dare kernel's combine arguments (consts, agent_consts, key) for a plain sum of the pruned τ."""
+    c = Combine(np.ones(n, np.float32), False, False, np.float32(1), np.float32(1))
+    return (*c.program.arrays(c.values), kernels.rule_key(c.program, tau=True))
 
 def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.MonkeyPatch, method: str,
                 params: dict, dtype: str | None = None, block: int | None = None, seed: int = 0,
@@ -123,8 +129,7 @@ def test_keep_mask_is_the_torch_paths(block: int, rescale: str) -> None:
         out = np.empty(n, np.float32)
         for lo, hi in fastdare.pieces(start, n, 3):
             kernels.dare_merge_range(base, agents, lo, hi, start, 0, seeds, dens, dens, fastdare.RESCALE[rescale],
-                                 factor, np.ones(2, np.float32), False, False, np.float32(1), np.float32(1), False, out,
-                                 np.empty((2, 0), np.uint8))
+                                     factor, np.ones(2, np.float32), *plain_sum(2), out, np.empty((2, 0), np.uint8))
         got[start:start + n] = out
     np.testing.assert_array_equal(got, want)
 

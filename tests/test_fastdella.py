@@ -22,7 +22,7 @@ from rlmerge.engine import fast as fastpath
 from rlmerge.engine import fast_random as fastdare
 from rlmerge.methods._ops import RNG_CHUNK, chunk_seed, row_ranks, uniform
 from rlmerge.synthetic import config, make_example
-from test_fastdare import WIDE, assert_fast_is_torch
+from test_fastdare import WIDE, assert_fast_is_torch, plain_sum
 from test_fastpath import _edge_models
 
 pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed: no fast path to test")
@@ -137,8 +137,8 @@ def test_keep_is_u_strictly_below_p() -> None:
     seeds = np.array([[chunk_seed(seed, 0, name, 0) & 0xFFFFFFFF]], dtype=np.uint32)
     out = np.empty(numel, np.float32)
     kernels.dare_merge_range(np.zeros(numel, np.float32), (tau[0],), 0, numel, 0, row, seeds, plo, p2e,
-                         fastdare.RESCALE["none"], np.ones(1, np.float32), np.ones(1, np.float32), False, False,
-                         np.float32(1), np.float32(1), False, out, np.empty((1, 0), np.uint8))
+                             fastdare.RESCALE["none"], np.ones(1, np.float32), np.ones(1, np.float32), *plain_sum(1),
+                             out, np.empty((1, 0), np.uint8))
     assert out[target] == 0.0 and tau[0, target] != 0.0
     keep = out != 0.0
     assert 0.2 < keep.mean() < 0.9  # the others are kept at about their p

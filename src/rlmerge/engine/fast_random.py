@@ -74,6 +74,7 @@ class RandomBackend:
         run, n = self.run, self.n
         params = run.params_of(job.name)
         self.c = combine_constants(run.spec.name, run.spec.sparsify, params, n)
+        self.key, self.consts = kernels.rule_key(self.c.program, tau=True), self.c.program.arrays(self.c.values)
         dens = np.array(per_agent(params.density, n, "gta", "density"), dtype=np.float32)
         eps = np.array(magprune_epsilon(params, n) if self.magprune else (0.0,) * n, dtype=np.float32)
         self.plo = dens - eps if self.magprune else dens
@@ -136,7 +137,7 @@ class RandomBackend:
                      factor: np.ndarray, merged: np.ndarray, mask: np.ndarray) -> None:
         self._threads(job, start, base, agents, lambda lo, hi: kernels.dare_merge_range(
             base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, self.rescale, factor, self.c.w,
-            self.c.elect, self.c.normalize, self.c.div, self.c.scaling, self.c.apply_scaling, merged, mask))
+            *self.consts, self.key, merged, mask))
 
     def _l1_block(self, job: Job, start: int, stop: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                   l1: _L1Sums) -> None:

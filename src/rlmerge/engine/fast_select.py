@@ -169,9 +169,9 @@ class SelectBackend:
         run = self.run
         c = combine_constants(run.spec.name, run.spec.sparsify, run.params_of(job.name), len(run.match.agents))
         cut = np.ascontiguousarray(cut, dtype=np.int64)
+        key, (consts, agent_consts) = kernels.rule_key(c.program, tau=True), c.program.arrays(c.values)
         self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_merge_range(
-            base, agents, lo, hi, keep_lo, keep_hi, cut, start, c.w, c.elect, c.normalize, c.div, c.scaling,
-            c.apply_scaling, merged))
+            base, agents, lo, hi, keep_lo, keep_hi, cut, start, c.w, consts, agent_consts, key, merged))
 
 
 CUT_CHUNK = 1 << 16  # elements decoded at a time to find a tie cut: a few hundred KB beside the block

@@ -39,14 +39,21 @@ def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo:
     agent's array holds its τ in float32 instead (engine/fast.py, when an agent is a LoRA adapter). Compiled on
     first use for each (program, N, dtypes, tau), cached on disk.
     """
-    from .fused import PROGRAMS, STATS_ONLY, ProgramKey
     from .fused import fused_range as kernel
 
-    key = STATS_ONLY if program is None else program.key
-    if program is not None:
-        PROGRAMS.setdefault(key, program)
     return bool(kernel(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exact, rescaled, kept,
-                       ProgramKey(key, tau)))
+                       rule_key(program, tau)))
+
+
+def rule_key(program: Program | None, tau: bool = False) -> Any:
+    """The kernel argument that selects ``program``'s compiled loop (fused.ProgramKey; None: the statistics
+    only), the program registered for its first compilation. ``tau``: the agents come as their float32 τ."""
+    from .fused import PROGRAMS, STATS_ONLY, ProgramKey
+
+    if program is None:
+        return ProgramKey(STATS_ONLY, tau)
+    PROGRAMS.setdefault(program.key, program)
+    return ProgramKey(program.key, tau)
 
 
 # The sparsify family's entry points, as the engine calls them: (module, function), imported on first use.

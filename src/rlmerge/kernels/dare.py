@@ -15,7 +15,7 @@ from . import mt
 from .codec import _dec
 from .della import probs, rank_span, scratch
 from .layout import TILE
-from .select import combine_scratch, combine_tile
+from .select import combine
 
 RESCALE_NONE, RESCALE_INVERSE, RESCALE_L1 = 0, 1, 2
 _CHUNK = np.uint64(CHUNK)
@@ -142,12 +142,13 @@ def _unpack(mask, g, m, u):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def merge_range(base, agents, lo, hi, start, row, seeds, plo, p2e, rescale, factor, w, elect, normalize,  # type: ignore[no-untyped-def]
-                div, scaling, apply_scaling, out, mask):
+def merge_range(base, agents, lo, hi, start, row, seeds, plo, p2e, rescale, factor, w, consts, agent_consts, key,  # type: ignore[no-untyped-def]
+                out, mask):
     """Elements [lo, hi) of a block that starts at element ``start`` of its tensor, cut at chunk boundaries.
 
     base [n], agents [N, n] stored values; seeds [N, chunks of the tensor] uint32 (the low 32 bits of
-    _ops.chunk_seed: all that manual_seed keeps); plo, p2e, factor, w [N] float32; out [n]. The keep probability:
+    _ops.chunk_seed: all that manual_seed keeps); plo, p2e, factor, w [N] float32; consts, agent_consts, key: the
+    combine step's (select.combine); out [n]. The keep probability:
     DARE (row 0) plo, the density; DELLA (rows of ``row`` elements, whole rows in the block) plo + ρ̂ · p2e, with
     plo = density − ε and p2e = 2ε. ``mask`` [N, ⌈numel / 8⌉] uint8: the keep bits l1_range stored, used instead
     of drawing and ranking again (only for ``l1``, which needs no p); [N, 0]: none. True: τ not finite.
@@ -156,7 +157,8 @@ def merge_range(base, agents, lo, hi, start, row, seeds, plo, p2e, rescale, fact
     stored = mask.shape[1] > 0
     row = 0 if stored else row
     span, ranks, work, hist, prob, states, idx, u = _scratch(n_agents, row, plo)
-    wtd, b32, total, den, sgn = combine_scratch(n_agents)
+    wtd = np.empty((n_agents, TILE), dtype=np.float32)
+    b32 = np.empty(TILE, dtype=np.float32)
     bad = False
     start = np.uint64(start)
     pos = np.uint64(lo)
@@ -173,7 +175,7 @@ def merge_range(base, agents, lo, hi, start, row, seeds, plo, p2e, rescale, fact
             else:
                 _draw(states, idx, u, m)
             bad |= _prune_tile(base, agents, pos, m, u, prob, rescale, factor, w, b32, wtd)
-            combine_tile(wtd, b32, pos, m, w, elect, normalize, div, scaling, apply_scaling, out, total, den, sgn)
+            combine(b32, wtd, m, consts, agent_consts, key, out[pos:pos + m])
             pos += m
     return bad
 

@@ -11,13 +11,15 @@ never a stale one. Only the statistics' Gram sums are reassociated (docs/archite
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 from numba import njit, types
 from numba.extending import NativeValue, models, overload, register_model, typeof_impl, unbox
 
 from ..methods.rule import BINARY, Program
-from .codec import PUT_SOURCE, _f32_as_u32, _u32_as_f32, put_lines
+from . import codec
+from .codec import _f32_as_u32, _u32_as_f32, put_lines
 from .layout import TILE
 
 PROGRAMS: dict[int, Program] = {}  # Program.key → program, registered before its kernel is called
@@ -38,16 +40,17 @@ class ProgramKey:
         self.tau = tau
 
 
-# The rounding's source comes from codec.py, whose edits numba's cache (keyed by this file) would not notice:
-# its hash is part of the key's type, so a changed rounding is a new specialisation, never a stale one.
-_CODEC_STAMP = hashlib.sha256(repr(sorted(PUT_SOURCE.items())).encode()).hexdigest()[:12]
+# The loop's source comes from this file and codec.py; numba's cache of a kernel that calls it (this file's,
+# select.py's, dare.py's) is keyed by the caller's file only. Both files' hash is part of the key's type, so an
+# edited generator or rounding is a new specialisation, never a stale one.
+_STAMP = hashlib.sha256(Path(__file__).read_bytes() + Path(codec.__file__).read_bytes()).hexdigest()[:12]
 
 
 class ProgramKeyType(types.Opaque):
     def __init__(self, key: int, tau: bool) -> None:
         self.program = key
         self.tau = tau
-        super().__init__(name=f"RuleProgram({key}, {'tau' if tau else 'stored'}, codec {_CODEC_STAMP})")
+        super().__init__(name=f"RuleProgram({key}, {'tau' if tau else 'stored'}, source {_STAMP})")
 
 
 @typeof_impl.register(ProgramKey)
@@ -177,18 +180,26 @@ def source(n: int, key: int, collect: bool, base: str = "uint16", agent: str = "
                         dec_base=_DECODE[base].format(x="base[i]"), codes=codes, kept=counted)
 
 
-def _tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, key):  # type: ignore[no-untyped-def]
+def rule_tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, key):  # type: ignore[no-untyped-def]
+    """Elements [lo, lo + m) through the program of ``key``: the generated loop (``source``), callable from any
+    kernel. ``agents``: a tuple of N arrays, or with a τ-form key an [N, ≥ lo + m] float32 array (the sparsify
+    kernels' pruned τ, combined by gta.combine_rule)."""
     raise NotImplementedError
 
 
-@overload(_tile)
+@overload(rule_tile)
 def _tile_ov(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, key):  # type: ignore[no-untyped-def]
-    if not isinstance(key, ProgramKeyType) or not isinstance(agents, types.UniTuple):
+    if not isinstance(key, ProgramKeyType):
         return None
-    collect = not isinstance(tau, types.NoneType)
-    if key.tau and str(agents.dtype.dtype) != "float32":
+    if isinstance(agents, types.UniTuple):
+        n, agent = agents.count, str(agents.dtype.dtype)
+    elif isinstance(agents, types.Array) and agents.ndim == 2 and key.tau:
+        n, agent = PROGRAMS[key.program].n, str(agents.dtype)
+    else:
         return None
-    src = source(agents.count, key.program, collect, str(base.dtype), str(agents.dtype.dtype), str(out.dtype),
+    if key.tau and agent != "float32":
+        return None
+    src = source(n, key.program, not isinstance(tau, types.NoneType), str(base.dtype), agent, str(out.dtype),
                  kept=not isinstance(kept, types.NoneType), tau=key.tau)
     scope = {"np": np, "_u32_as_f32": _u32_as_f32, "_f32_as_u32": _f32_as_u32}
     exec(src, scope)  # noqa: S102 source built above from a traced program
@@ -262,14 +273,15 @@ def _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exa
         for start in range(lo, hi, TILE):
             m = np.uint64(min(TILE, hi - start))
             # unsigned offsets: indexing then needs no negative-index wraparound, and the loop vectorises
-            _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, None, None, eps, rescaled, kept, key)
+            rule_tile(base, agents, np.uint64(start), m, consts, agent_consts, out, None, None, eps, rescaled, kept,
+                      key)
         return bad
     tau = np.empty((n_agents, TILE), dtype=np.float32)
     code = np.empty(TILE, dtype=np.float32)
     gram_t = np.zeros((n_agents, n_agents), dtype=np.float64)
     for start in range(lo, hi, TILE):
         m = np.uint64(min(TILE, hi - start))
-        _tile(base, agents, np.uint64(start), m, consts, agent_consts, out, tau, code, eps, rescaled, kept, key)
+        rule_tile(base, agents, np.uint64(start), m, consts, agent_consts, out, tau, code, eps, rescaled, kept, key)
         _hist(code, m, hist)
         gram_t[:] = 0.0
         if exact:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .codec import _dec, _f32_as_u32, _put
+from .codec import _dec, _f32_as_u32
+from .fused import rule_tile
 from .layout import TILE
 
 _ABS = np.uint32(0x7FFFFFFF)
@@ -71,8 +72,7 @@ def hist_next(base, agents, lo, hi, streams, prefix, active, shift, width, hist)
 
 
 @njit(nogil=True, cache=True)
-def _tile(base, agents, lo, m, keep_lo, keep_hi, cut, offset, w, elect, normalize, div, scaling, apply_scaling,  # type: ignore[no-untyped-def]
-          out, wtd, b32, total, den, sgn):
+def _tile(base, agents, lo, m, keep_lo, keep_hi, cut, offset, w, consts, agent_consts, key, out, wtd, b32):  # type: ignore[no-untyped-def]
     zero = np.float32(0.0)
     one = np.float32(1.0)
     for j in range(m):
@@ -87,65 +87,26 @@ def _tile(base, agents, lo, m, keep_lo, keep_hi, cut, offset, w, elect, normaliz
             a = abs(x)
             inside = (a > lt or (a == lt and np.int64(j) < room)) and a <= ht
             wtd[t, j] = (x * (one if inside else zero)) * wt
-    combine_tile(wtd, b32, lo, m, w, elect, normalize, div, scaling, apply_scaling, out, total, den, sgn)
+    combine(b32, wtd, m, consts, agent_consts, key, out[lo:lo + m])
 
 
 @njit(nogil=True, cache=True)
-def combine_tile(wtd, b32, lo, m, w, elect, normalize, div, scaling, apply_scaling, out,  # type: ignore[no-untyped-def]
-                 total, den, sgn):
-    """out[lo:lo + m] = θ₀ + scaling · combine(u) from u = wtd [N, m] (pruned, rescaled, weighted τ): the sign
-    election, (disjoint) mean, scaling and rounding of methods/gta.py ``_merge``. Shared with _numba_dare.py."""
-    n_agents = wtd.shape[0]
-    zero = np.float32(0.0)
-    one = np.float32(1.0)
-    if elect:  # elect_sign: +1 where Σ_t w_t τ_t ≥ 0; agree: sign(w_t τ_t) equals it
-        for j in range(m):
-            sgn[j] = wtd[0, j]
-        for t in range(1, n_agents):
-            for j in range(m):
-                sgn[j] += wtd[t, j]
-        for j in range(m):
-            sgn[j] = one if sgn[j] >= zero else -one
-        for t in range(n_agents):  # agent 0 assigns (0 + v would turn a −0 into +0), the others add
-            wt = w[t]
-            for j in range(m):
-                v = wtd[t, j]
-                s = sgn[j]
-                mt = one if ((v > zero) & (s > zero)) | ((v < zero) & (s < zero)) else zero  # no branch
-                total[j] = v * mt if t == 0 else total[j] + v * mt
-                den[j] = wt * mt if t == 0 else den[j] + wt * mt
-        if normalize:  # disjoint mean; no agent kept divides by 1
-            for j in range(m):
-                total[j] = total[j] / (one if den[j] == zero else den[j])
-    else:
-        for j in range(m):
-            total[j] = wtd[0, j]
-        for t in range(1, n_agents):
-            for j in range(m):
-                total[j] += wtd[t, j]
-        if normalize:
-            for j in range(m):
-                total[j] = total[j] / div
-    for j in range(m):
-        mixed = total[j] * scaling if apply_scaling else total[j]
-        _put(out, lo + j, b32[j] + mixed)
+def combine(b32, wtd, m, consts, agent_consts, key, out):  # type: ignore[no-untyped-def]
+    """out[:m] = the combine step (gta.combine_rule: sign election, (disjoint) mean, scaling, rounding) of the
+    base b32 and the pruned, rescaled, weighted τ wtd [N, ≥ m], through the rule's generated loop (``key``: its
+    τ-form fused.ProgramKey; consts, agent_consts: ``Program.arrays``). Shared with dare.py."""
+    rule_tile(b32, wtd, np.uint64(0), np.uint64(m), consts, agent_consts, out, None, None, np.float32(0.0), None,
+              None, key)
 
 
 @njit(nogil=True, cache=True)
-def combine_scratch(n_agents):  # type: ignore[no-untyped-def]
-    """combine_tile's buffers: (wtd [N, TILE], b32, total, den, sgn [TILE]) float32."""
-    return (np.empty((n_agents, TILE), dtype=np.float32), np.empty(TILE, dtype=np.float32),
-            np.empty(TILE, dtype=np.float32), np.empty(TILE, dtype=np.float32), np.empty(TILE, dtype=np.float32))
-
-
-@njit(nogil=True, cache=True)
-def merge_range(base, agents, lo, hi, keep_lo, keep_hi, cut, offset, w, elect, normalize, div, scaling,  # type: ignore[no-untyped-def]
-                apply_scaling, out):
-    """Elements [lo, hi) of one block: θ₀ + scaling · combine(prune(τ) · w) into out [n]; see gta.py.
-    ``agents``: a tuple of N arrays [n]; cut [N] int64 and ``offset`` (the block's first flat index in its
-    tensor): TIES' exact k (methods/_select.TieCut)."""
-    wtd, b32, total, den, sgn = combine_scratch(len(agents))
+def merge_range(base, agents, lo, hi, keep_lo, keep_hi, cut, offset, w, consts, agent_consts, key, out):  # type: ignore[no-untyped-def]
+    """Elements [lo, hi) of one block: θ₀ + combine(prune(τ) · w) into out [n]; see gta.py. ``agents``: a tuple
+    of N arrays [n]; cut [N] int64 and ``offset`` (the block's first flat index in its tensor): TIES' exact k
+    (methods/_select.TieCut); consts, agent_consts, key: the combine step's (``combine``)."""
+    wtd = np.empty((len(agents), TILE), dtype=np.float32)
+    b32 = np.empty(TILE, dtype=np.float32)
     for start in range(lo, hi, TILE):
         m = min(TILE, hi - start)
-        _tile(base, agents, np.uint64(start), np.uint64(m), keep_lo, keep_hi, cut, np.int64(offset), w, elect,
-              normalize, div, scaling, apply_scaling, out, wtd, b32, total, den, sgn)
+        _tile(base, agents, np.uint64(start), np.uint64(m), keep_lo, keep_hi, cut, np.int64(offset), w, consts,
+              agent_consts, key, out, wtd, b32)

@@ -1,7 +1,7 @@
 """Sparsify-then-combine task-vector baselines: TIES, DARE (+TA / +TIES), Breadcrumbs, DELLA.
 
 One rule serves them all (mergekit's "generalized task arithmetic"; the pruning steps are in ``_ops.py``, the
-combine step after them is the rule ``combine_rule``, which kernels/select.combine_tile does per element):
+combine step after them is the rule ``combine_rule``, which every backend runs):
 
     τ̃_t = prune(τ_t) · rescale_t              per agent: magnitude top-k, random drop, outlier window, MagPrune
     u_t = w_t · τ̃_t
@@ -29,7 +29,7 @@ from ..params import check_range
 from ._l1 import LaneSum, l1_factors
 from ._ops import row_length, row_ranks, uniform, weight_sum
 from ._select import ROUNDS, KthLargest, TieCut
-from .rule import Expr, Terms, program, torch_eval
+from .rule import Expr, Program, Terms, program, torch_eval
 from .spec import BlockContext, MethodSpec
 from .task_arithmetic import PerAgent, Weights, agent_weights, check_each, each, per_agent
 
@@ -84,8 +84,14 @@ class Combine:
     scaling: np.float32
 
     @property
-    def apply_scaling(self) -> bool:
-        return bool(self.scaling != 1.0)
+    def program(self) -> Program:
+        """``combine_rule`` for these constants and N agents (× scaling only where it is not 1)."""
+        return program(combine_rule, (self.elect, self.normalize, bool(self.scaling != 1.0)), len(self.w))
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """The constants ``combine_rule`` reads."""
+        return {"w": self.w, "div": self.div, "scaling": self.scaling}
 
 
 def combine_constants(name: str, preset: Preset, params: Any, n: int) -> Combine:
@@ -98,10 +104,10 @@ def combine_constants(name: str, preset: Preset, params: Any, n: int) -> Combine
 
 def combine_rule(t: Terms, p: tuple[bool, bool, bool]) -> Expr:
     """θ₀ + scaling · Σ_t m_t u_t / (Σ_t m_t w_t with sign election, else Σ w) from u_t = ``t.x[t]``, the pruned,
-    rescaled and weighted τ; ``p`` = (elect, normalize, apply_scaling) of ``Combine``. The sign is elected by total
+    rescaled and weighted τ; ``p`` = (elect, normalize, scale) of ``Combine``. The sign is elected by total
     mass (+ where Σ_t u_t ≥ 0, mergekit's ``sum`` consensus), m_t is 1 where u_t has that sign strictly, and an
-    element no agent kept divides by 1, as mergekit does. Sums run over agents in order; kernels/select.py
-    ``combine_tile`` is the same operations per element."""
+    element no agent kept divides by 1, as mergekit does. Sums run over agents in order. The numba kernels run
+    this rule too, in τ form, on the u_t they prune (kernels/select.combine)."""
     elect, normalize, scale = p
     zero, one = t.lit(0.0), t.lit(1.0)
     total = t.x[0]
@@ -475,8 +481,7 @@ def _merge(name: str, preset: Preset, base: torch.Tensor, deltas: torch.Tensor, 
         pruned = pruned / prob
     elif rescale == "l1":
         pruned = pruned * torch.from_numpy(obs.l1[ctx.name]).to(deltas.device).unsqueeze(-1)
-    prog = program(combine_rule, (c.elect, c.normalize, c.apply_scaling), deltas.shape[0])
-    return torch_eval(prog, base, pruned * w.unsqueeze(-1), {"w": c.w, "div": c.div, "scaling": c.scaling})
+    return torch_eval(c.program, base, pruned * w.unsqueeze(-1), c.values)
 
 
 def _needed(obs: GtaObserver) -> GtaObserver | None:
