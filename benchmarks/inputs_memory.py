@@ -3,8 +3,8 @@
 Builds (once, reused) the Qwen2.5-0.5B-shaped synthetic set of benchmarks/dataset.py (bf16 base, "coder" and
 "tool-use" agents), a verl actor checkpoint of "coder" written by verl's own FSDPCheckpointManager on 2 gloo
 ranks (tests/verl_driver.py with --steps 0, so its float32 shards round back to coder's bf16 bytes), and a
-rank-16 PEFT adapter on every linear layer. Then runs four merges (RAM+, two agents) in child processes under
-``/usr/bin/time -v`` and prints each one's peak RSS and wall time:
+rank-16 PEFT adapter on every linear layer. Then runs five merges (RAM+ unless --method says otherwise, two
+agents) in child processes under ``/usr/bin/time -v`` and prints each one's peak RSS and wall time:
 
     safetensors    base + [coder, tool-use]                      (the numba path, for comparison)
     verl W=2       base + [global_step_0/actor of coder, tool-use]   (the numba path)
@@ -12,7 +12,7 @@ rank-16 PEFT adapter on every linear layer. Then runs four merges (RAM+, two age
     LoRA r=16      base + [adapter, tool-use]                    (the numba path, the agents as τ)
     LoRA, torch    the same on the torch path (RLMERGE_FAST=0): the baseline of this run
 
-    .venv/bin/python benchmarks/inputs_memory.py [--workdir DIR] [--block-size N]
+    .venv/bin/python benchmarks/inputs_memory.py [--workdir DIR] [--block-size N] [--method M] [--only lora|verl]
 
 Needs .venv-verl (``make verl``). Not part of the test suite: it writes ~6 GB and takes minutes on 2 cores.
 """
@@ -78,6 +78,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, default=REPO / "bench-data" / "inputs")
     ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--method", default="ram+", help="the merge method (its defaults)")
+    ap.add_argument("--only", choices=("lora", "verl"), help="the safetensors merge and this input's two only")
     args = ap.parse_args()
     root = args.workdir
     base, (coder, tools) = make_set(root / "set", "0.5b", densities=(0.032, 0.462))
@@ -91,22 +93,26 @@ def main() -> None:
     shutil.rmtree(outs, ignore_errors=True)
     outs.mkdir()
     walls = {}
-    for label, agent, env in (("safetensors", coder, None), ("verl W=2", actor, None),
-                              ("verl, torch", actor, {"RLMERGE_FAST": "0"}), ("LoRA r=16", adapter, None),
-                              ("LoRA, torch", adapter, {"RLMERGE_FAST": "0"})):
+    runs = (("safetensors", coder, None), ("verl W=2", actor, None), ("verl, torch", actor, {"RLMERGE_FAST": "0"}),
+            ("LoRA r=16", adapter, None), ("LoRA, torch", adapter, {"RLMERGE_FAST": "0"}))
+    for label, agent, env in runs:
+        if args.only and label != "safetensors" and not label.lower().startswith(args.only):
+            continue
         out = outs / label.split()[0].strip(",") / ("torch" if env else "default")
         _, walls[label] = _measure(label, [rlmerge, "merge", str(base), str(agent), str(tools), "-o", str(out),
-                                           "--method", "ram+", "-q", *extra], env)
+                                           "--method", args.method, "-q", *extra], env)
     ref = load_file(outs / "safetensors" / "default" / "model.safetensors")
-    for d in ("default", "torch"):
+    for d in ("default", "torch") if args.only != "lora" else ():
         got = load_file(outs / "verl" / d / "model.safetensors")
         same = ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
         print(f"verl merge ({d} path) byte-identical to the safetensors merge: {same}")
-    got, ref = (load_file(outs / "LoRA" / d / "model.safetensors") for d in ("default", "torch"))
-    same = got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
-    print(f"LoRA merge: numba path byte-identical to the torch path: {same}")
+    if args.only != "verl":
+        got, ref = (load_file(outs / "LoRA" / d / "model.safetensors") for d in ("default", "torch"))
+        same = got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+        print(f"LoRA merge: numba path byte-identical to the torch path: {same}")
     for what, numba in (("verl", "verl W=2"), ("LoRA", "LoRA r=16")):
-        print(f"{what}: torch path / numba path wall = {walls[f'{what}, torch'] / walls[numba]:.1f}x")
+        if numba in walls:
+            print(f"{what}: torch path / numba path wall = {walls[f'{what}, torch'] / walls[numba]:.1f}x")
     shards = sum(f.stat().st_size for f in actor.glob("model_world_size_*"))
     lora = (adapter / "adapter_model.safetensors").stat().st_size / 2**20
     print(f"inputs: one bf16 model {(coder / 'model.safetensors').stat().st_size / 2**30:.2f} GiB; verl model shards "

@@ -129,7 +129,8 @@ def test_keep_mask_is_the_torch_paths(block: int, rescale: str) -> None:
         out = np.empty(n, np.float32)
         for lo, hi in fastdare.pieces(start, n, 3):
             kernels.dare_merge_range(base, agents, lo, hi, start, 0, seeds, dens, dens, fastdare.RESCALE[rescale],
-                                     factor, np.ones(2, np.float32), *plain_sum(2), out, np.empty((2, 0), np.uint8))
+                                     factor, np.ones(2, np.float32), *plain_sum(2), out, np.empty((2, 0), np.uint8),
+                                     None)
         got[start:start + n] = out
     np.testing.assert_array_equal(got, want)
 
@@ -189,7 +190,7 @@ def test_l1_sums_follow_the_documented_order(monkeypatch: pytest.MonkeyPatch) ->
             part = np.empty((2, 2, (stop - 1) // CHUNK - start // CHUNK + 1, 8))
             for lo, hi in fastdare.pieces(start, stop - start, 3):
                 l1_range(np.zeros(stop - start, np.float32), np.ascontiguousarray(tau[:, start:stop]), lo, hi, start,
-                         0, seeds, dens, dens, carry, part, np.empty((2, 0), np.uint8))
+                         0, seeds, dens, dens, carry, part, np.empty((2, 0), np.uint8), None)
             fold(part, carry, total, start, stop, numel)
         np.testing.assert_array_equal(lanes.total.reshape(2, 2), want, err_msg=f"torch path, block {block}")
         np.testing.assert_array_equal(total, want, err_msg=f"fast path, block {block}")

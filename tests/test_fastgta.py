@@ -120,8 +120,10 @@ def test_non_finite_delta_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             assert not out.exists()
 
 
-def test_histogram_counts_equal_fed_values() -> None:
-    """KthLargest fed by kernel histograms (the fast path) answers as when fed the values (the torch path)."""
+@pytest.mark.parametrize("form", ["stored", "tau"])
+def test_histogram_counts_equal_fed_values(form: str) -> None:
+    """KthLargest fed by kernel histograms (the fast path) answers as when fed the values (the torch path), from
+    stored bfloat16 bits, or from the agents' float32 τ (``tau``: a LoRA adapter among them)."""
     g = torch.Generator().manual_seed(0)
     base = (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16)
     agents = torch.stack([(base.float() + torch.randn(5000, generator=g) * 1e-3).to(torch.bfloat16)
@@ -131,17 +133,20 @@ def test_histogram_counts_equal_fed_values() -> None:
     fed, counted = (KthLargest(n_streams=2, streams=[0, 1, 1, 0]) for _ in range(2))
     b16 = base.view(torch.int16).numpy().view(np.uint16)
     a16 = tuple(a.view(torch.int16).numpy().view(np.uint16) for a in agents)
+    if form == "tau":
+        a16 = tuple(np.ascontiguousarray(t.numpy()) for t in tau)
+    flag = True if form == "tau" else None
     ranks = [10, 1, 4000, 4500]  # the last one falls among agent 0's zeros: answered after round 0
     while not counted.done:
         fed.feed(tau)
         if counted.round == 0:
             hist = np.zeros((2, kernels.SUBHISTS, BINS[0] + 1), dtype=np.int64)
-            kernels.gta_hist_first(b16, a16, 0, 5000, hist)
+            kernels.gta_hist_first(b16, a16, 0, 5000, hist, flag)
             counted.add_counts(hist.sum(1))
         else:
             hist = np.zeros((4, BINS[counted.round] + 8), dtype=np.int64)
             kernels.gta_hist_next(b16, a16, 0, 5000, counted.streams, counted.prefix, counted.active,
-                                  *counted.digit, hist)
+                                  *counted.digit, hist, flag)
             counted.add_counts(hist[:, :BINS[counted.round]])
         for sel in (fed, counted):
             sel.next_round(ranks if sel.round == 0 else None)

@@ -119,17 +119,21 @@ def test_block_size_and_fast_path(lora, tmp_path: Path) -> None:
     assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
     ckpts = open_all([base, *adapters])
     plan = match_models(ckpts[0], ckpts[1:])
-    assert not any(eligible(plan, j) for j in plan.jobs)  # kernels that read stored bytes: τ is computed …
-    assert any(eligible(plan, j, tau=True) for j in plan.jobs)  # … the rule kernel takes every agent's τ
-    assert numba_route(base, adapters, "ties")[0] == frozenset()  # TIES' kernels read stored bytes: torch
+    assert any(eligible(plan, j) for j in plan.jobs)  # every kernel takes the agents as their τ
+    fast, merged = numba_route(base, adapters, "ties")
+    assert fast == merged and merged
 
 
-@pytest.mark.parametrize(("method", "params"), [("ram+", None), ("ram", None), ("task_arithmetic", {"scaling": 0.7}),
-                                                ("model_stock", None), ("ram+", {"preset": "arm-r"})])
+@pytest.mark.parametrize(("method", "params"), [
+    ("ram+", None), ("ram", None), ("task_arithmetic", {"scaling": 0.7}), ("model_stock", None),
+    ("ram+", {"preset": "arm-r"}), ("ties", {"density": 0.3}), ("ties_global", {"density": 0.3}),
+    ("breadcrumbs_ties", {"density": 0.8, "gamma": 0.05}), ("dare_ties", {"density": 0.5}),
+    ("dare_ta", {"density": 0.5, "rescale": "l1"}), ("della", {"density": 0.6, "epsilon": 0.1}),
+    ("della_linear", {"density": 0.6, "epsilon": 0.1, "rescale": "l1"})])
 @pytest.mark.parametrize("mix", ["adapters", "adapter+full"])
 def test_adapters_on_the_numba_path_write_the_torch_paths_bytes(lora, tmp_path: Path, monkeypatch, method: str,
                                                                params: dict | None, mix: str) -> None:
-    # The rule kernel takes the agents as τ when one is an adapter: every agent's τ as the torch path computes it.
+    # Every kernel takes the agents as τ when one is an adapter: every agent's τ as the torch path computes it.
     base, adapters, fulls = lora
     agents = adapters if mix == "adapters" else [adapters[0], fulls[1]]
     fast, merged = numba_route(base, agents, method, params=params)
@@ -138,6 +142,35 @@ def test_adapters_on_the_numba_path_write_the_torch_paths_bytes(lora, tmp_path: 
     plan = dry_run(base, agents, tmp_path / "numba", block_size=3000, **kw)
     res = rlmerge.merge(base, agents, tmp_path / "numba", block_size=3000, **kw)
     assert (res.passes, res.read_bytes) == (plan.passes, plan.read_bytes)  # plan says what the merge reads
+    monkeypatch.setenv("RLMERGE_FAST", "0")
+    rlmerge.merge(base, agents, tmp_path / "torch", **kw)
+    assert_same_tensors(load_output(tmp_path / "numba"), load_output(tmp_path / "torch"))
+
+
+def test_ties_exact_k_on_adapter_tau_writes_the_torch_paths_bytes(lora, tmp_path: Path, monkeypatch) -> None:
+    """TIES keeps exactly k per tensor, cutting the ties at its threshold in flat order; on the numba path the cut
+    is found from the agents' τ as the blocks hold them. An adapter whose factors are small multiples of 2^-6 has
+    τ = s·B·A on a coarse grid: many |τ| equal the threshold."""
+    from safetensors.torch import load_file, save_file
+
+    from rlmerge.engine import fast_select
+
+    base, adapters, _ = lora
+    coarse = tmp_path / "coarse"
+    coarse.mkdir()
+    (coarse / "adapter_config.json").write_bytes((adapters[0] / "adapter_config.json").read_bytes())
+    factors = load_file(adapters[0] / "adapter_model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({k: (torch.randint(-1, 2, v.shape, generator=g).float() * 2**-6 if "lora_" in k else v)
+               for k, v in factors.items()}, coarse / "adapter_model.safetensors")
+    agents = [coarse, adapters[1]]
+    assert numba_route(base, agents, "ties")[0]
+    feeds = []
+    real = fast_select._feed_cut
+    monkeypatch.setattr(fast_select, "_feed_cut", lambda *a: feeds.append(a[-1]) or real(*a))
+    kw = {"method": "ties", "params": {"density": 0.3}, "dtype": "bfloat16", "block_size": 3000}
+    rlmerge.merge(base, agents, tmp_path / "numba", **kw)
+    assert feeds and all(feeds)  # ties at a threshold were cut, from τ
     monkeypatch.setenv("RLMERGE_FAST", "0")
     rlmerge.merge(base, agents, tmp_path / "torch", **kw)
     assert_same_tensors(load_output(tmp_path / "numba"), load_output(tmp_path / "torch"))

@@ -80,16 +80,15 @@ def stats_args(n_agents: int, eps: float) -> RuleArgs:
 
 def reads_tau(match: Match) -> bool:
     """The numba path reads every agent as its float32 τ (FastPath._read_tau): an agent supplies τ rather than
-    stored bytes (a LoRA adapter), and only the rule kernel can take that."""
+    stored bytes (a LoRA adapter). Every kernel takes the agents that way too (``tau``)."""
     return not all(a.stored_bytes for a in match.agents)
 
 
-def eligible(match: Match, job: Job, *, tau: bool = False) -> bool:
-    """Whether ``job`` can run on the numba backend. ``tau``: the kernel takes the agents as τ (the fused rule
-    kernel can), so an agent that supplies τ rather than stored bytes (a LoRA adapter) is no obstacle."""
+def eligible(match: Match, job: Job) -> bool:
+    """Whether ``job`` can run on the numba backend."""
     if job.kind != "merge" or not all(job.present) or job.out_dtype not in STORED or job.info.dtype not in STORED:
         return False
-    if not match.base.stored_bytes or (reads_tau(match) and not tau):
+    if not match.base.stored_bytes:
         return False
     dtypes = {a.tensors[job.name].dtype for a in match.agents}  # as τ, the agents' dtypes need not agree
     return ((len(dtypes) == 1 or reads_tau(match)) and all(d in STORED for d in dtypes)

@@ -51,6 +51,7 @@ class SelectBackend:
         self.no_cut = np.full(n, NO_CUT, dtype=np.int64)
         self.stats_args = stats_args(n, run.stats.epsilon)
         self.whole_model = observer.preset.prune == "magnitude-global"
+        self.tau = True if fast.tau else None  # the kernels' τ argument: the agents come as float32 τ
         # round 0 per agent: sub-histograms of the digit, then the zeros; later rounds per query, spares past the end
         self.hist0 = np.zeros((fast.threads, n, kernels.SUBHISTS, BINS[0] + 1), dtype=np.int64)
         self.histq = np.zeros((fast.threads, 0, max(BINS[1:]) + 8), dtype=np.int64)
@@ -66,7 +67,7 @@ class SelectBackend:
         assert sel is not None
         if sel.round == 0:
             self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_hist_first(
-                base, agents, lo, hi, self.hist0[k]))
+                base, agents, lo, hi, self.hist0[k], self.tau))
             if self.hist0[:, :, :, kernels.GTA_NONFINITE_BIN:BINS[0]].any():  # |τ| ≥ inf: exponent all ones
                 self.fast.raise_non_finite(job, start, base, agents)
             self._numel += base.shape[0]
@@ -75,7 +76,7 @@ class SelectBackend:
             self.histq = np.zeros((self.fast.threads, len(sel.streams), max(BINS[1:]) + 8), dtype=np.int64)
         shift, width = sel.digit
         self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_hist_next(
-            base, agents, lo, hi, sel.streams, sel.prefix, sel.active, shift, width, self.histq[k]))
+            base, agents, lo, hi, sel.streams, sel.prefix, sel.active, shift, width, self.histq[k], self.tau))
 
     def _end_round(self, name: str | None) -> bool:
         """Hand the round's counts to the observer; True while another round is wanted."""
@@ -158,7 +159,7 @@ class SelectBackend:
                     more = self._end_round(job.name)
             cut = self.obs.cut  # exact k: where the ties at each threshold stop, found block by block
             if cut is not None and not cut.done:
-                _feed_cut(cut, start, base, agents)
+                _feed_cut(cut, start, base, agents, self.tau is not None)
             merged = self.fast.out_view(slot, job, stop - start)
             self._merge(job, start, base, agents, merged, self.no_cut if cut is None else cut.cut)
             write_slot(out, slot, merged, bar)
@@ -171,24 +172,27 @@ class SelectBackend:
         cut = np.ascontiguousarray(cut, dtype=np.int64)
         key, (consts, agent_consts) = kernels.rule_key(c.program, tau=True), c.program.arrays(c.values)
         self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_merge_range(
-            base, agents, lo, hi, keep_lo, keep_hi, cut, start, c.w, consts, agent_consts, key, merged))
+            base, agents, lo, hi, keep_lo, keep_hi, cut, start, c.w, consts, agent_consts, key, merged, self.tau))
 
 
 CUT_CHUNK = 1 << 16  # elements decoded at a time to find a tie cut: a few hundred KB beside the block
 
 
-def _feed_cut(cut: TieCut, start: int, base: np.ndarray, agents: Any) -> None:
+def _feed_cut(cut: TieCut, start: int, base: np.ndarray, agents: Any, tau: bool) -> None:
     """Feed one block to ``cut`` in chunks (decoding the whole block at once would need N float32 copies of it),
     stopping once every cut is found."""
     for lo in range(0, base.shape[0], CUT_CHUNK):
         hi = min(lo + CUT_CHUNK, base.shape[0])
-        cut.feed(start + lo, _abs_tau(base[lo:hi], [a[lo:hi] for a in agents]))
+        cut.feed(start + lo, _abs_tau(base[lo:hi], [a[lo:hi] for a in agents], tau))
         if cut.done:
             return
 
 
-def _abs_tau(base: np.ndarray, agents: Any) -> np.ndarray:
-    """|τ| [N, n] float32 of one block of the mapped inputs (bfloat16 bits or float32), as the kernels decode it."""
+def _abs_tau(base: np.ndarray, agents: Any, tau: bool) -> np.ndarray:
+    """|τ| [N, n] float32 of one block of the mapped inputs (bfloat16 bits or float32), as the kernels decode it;
+    ``tau``: the agents hold τ already."""
+    if tau:
+        return np.abs(np.stack(agents))
     def f32(x: np.ndarray) -> np.ndarray:
         return (x.astype(np.uint32) << np.uint32(16)).view(np.float32) if x.dtype == np.uint16 else x
     b = f32(base)

@@ -75,7 +75,7 @@ def route(match: Match, spec: MethodSpec | None, p: Any, *, device: str = "cpu",
                      {j.name: 0 for j in jobs}, memory, sum(_bytes(match, j, ()) for j in jobs), 0)
     observer = spec.observer(p, n, at)
     kind = _kind(match, spec, p, observer, device=device, extras=extras)
-    fast = frozenset(j.name for j in jobs if kind != "torch" and eligible(match, j, tau=kind == "fused"))
+    fast = frozenset(j.name for j in jobs if kind != "torch" and eligible(match, j))
     # an observer (thresholds made in the statistics pass) runs on torch, whatever merges afterwards
     stats_fast = fast if (observer is None or kind in ("select", "random")) else frozenset()
     block = fast_block(match, block_size)
@@ -104,14 +104,14 @@ def route(match: Match, spec: MethodSpec | None, p: Any, *, device: str = "cpu",
 def _kind(match: Match, spec: MethodSpec, p: Any, observer: Any, *, device: str, extras: Sequence[Checkpoint]) -> Kind:
     if extras or not enabled(device) or not match.merge_jobs:
         return "torch"
-    every = all(eligible(match, j) for j in match.merge_jobs)
+    every = all(eligible(match, j) for j in match.merge_jobs)  # a LoRA adapter's τ too: every kernel takes τ
     preset = spec.sparsify
     if preset is not None and preset.windowed and getattr(p, "rescale", "none") == "none":
         return "select" if every and isinstance(observer, GtaObserver) else "torch"
     if preset is not None and not preset.windowed:
         return "random" if every else "torch"
     if (spec.program(p, len(match.agents)) is not None and not spec.row_blocks(p)
-            and any(eligible(match, j, tau=True) for j in match.merge_jobs)):  # the rule kernel takes τ too
+            and any(eligible(match, j) for j in match.merge_jobs)):
         return "fused"
     return "torch"
 

@@ -15,8 +15,8 @@ over the base it is merged with. Its task vector is, per base tensor W (PEFT's `
 Blocks are computed in float32 from rows of B (columns of A when transposed) in tiles of a fixed number of rows,
 so an element's value never depends on the block size; memory is the block plus one tile plus the smaller
 factor. The engine gets τ itself (``read_delta_f32``, through engine/blocks.read_delta), never base + τ rounded
-to a storage dtype: the torch path, and the numba path's rule kernel, which then takes every agent as τ
-(engine/fast.reads_tau); TIES / DARE / DELLA's kernels read stored bytes, so with an adapter they run on torch.
+to a storage dtype: the torch path, and the numba path, whose kernels then take every agent as τ
+(engine/fast.reads_tau).
 
 Refused with what to do: DoRA, ``lora_alpha: 0`` (a placeholder some converters write), initialisations that
 rewrite the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), LoRA on an lm_head the base ties to its

@@ -38,6 +38,19 @@ def _dec_ov(v):  # type: ignore[no-untyped-def]
         return lambda v: v
     return None
 
+def _tau(a, k, b, tau):  # type: ignore[no-untyped-def]  # τ of element k (see the overload)
+    raise NotImplementedError
+
+
+@overload(_tau, inline="always")
+def _tau_ov(a, k, b, tau):  # type: ignore[no-untyped-def]
+    """τ of element k of agent array ``a``: its stored value decoded minus the base's ``b`` (float32), or with
+    ``tau`` not None a[k] itself (the agents come as their float32 τ: engine/fast.reads_tau). Decided from the
+    type of ``tau`` when the kernel compiles: no branch in the loop."""
+    if isinstance(tau, types.NoneType):
+        return lambda a, k, b, tau: _dec(a[k]) - b
+    return lambda a, k, b, tau: a[k]
+
 # float32 → the stored output dtype, as torch's .to(), written once as source: the fused kernel writes it into its
 # generated loop (fused.py), and the ``_put`` overload below is compiled from the same text. bfloat16: round to
 # nearest, ties to even (c10::BFloat16 round_to_nearest_even); NaN → torch's canonical 0x7FC0. Arithmetic, not

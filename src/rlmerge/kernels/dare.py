@@ -2,7 +2,8 @@
 
 Every float32 operation is the torch path's, in its order, with no fast-math (tests/test_fastdare.py and
 test_fastdella.py compare the bytes). ``row`` > 0 asks for DELLA's keep probability from the rank of |τ| in its
-row (della.py); 0 is DARE.
+row (della.py); 0 is DARE. ``tau``: None, or the agents come as their float32 τ (a LoRA adapter among them;
+codec._tau).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from numba import njit
 
 from ..methods._ops import RNG_CHUNK as CHUNK
 from . import mt
-from .codec import _dec
+from .codec import _dec, _tau
 from .della import probs, rank_span, scratch
 from .layout import TILE
 from .select import combine
@@ -38,7 +39,7 @@ def _draw(states, idx, u, m):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def _prune_tile(base, agents, lo, m, u, prob, rescale, factor, w, b32, wtd):  # type: ignore[no-untyped-def]
+def _prune_tile(base, agents, lo, m, u, prob, rescale, factor, w, b32, wtd, tau):  # type: ignore[no-untyped-def]
     """wtd[t] = prune_block's τ · keep (keep: u < p, p = prob[t, j]), rescaled (÷ p, or × ``factor``: the L1
     factor, 1 without a rescale, which is exact), · w_t (gta.py ``_merge``). True: τ not finite."""
     zero = np.float32(0.0)
@@ -54,12 +55,12 @@ def _prune_tile(base, agents, lo, m, u, prob, rescale, factor, w, b32, wtd):  # 
         a = agents[t]
         if rescale == RESCALE_INVERSE:
             for j in range(m):
-                x = _dec(a[lo + j]) - b32[j]
+                x = _tau(a, lo + j, b32[j], tau)
                 bad |= not np.isfinite(x)
                 row[j] = ((x * (one if ut[j] < pt[j] else zero)) / pt[j]) * wt
         else:
             for j in range(m):
-                x = _dec(a[lo + j]) - b32[j]
+                x = _tau(a, lo + j, b32[j], tau)
                 bad |= not np.isfinite(x)
                 row[j] = ((x * (one if ut[j] < pt[j] else zero)) * f) * wt
     return bad
@@ -82,7 +83,7 @@ def _scratch(n_agents, row, plo):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob):  # type: ignore[no-untyped-def]
+def _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob, tau):  # type: ignore[no-untyped-def]
     """The length of the tile at ``pos`` (up to ``end``, inside one span) with its keep probabilities in prob;
     DELLA: ranks the span's rows first when ``pos`` is outside the span held."""
     m = min(np.uint64(TILE), end - pos)
@@ -92,7 +93,7 @@ def _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob):
         size = np.uint64(row * max(1, TILE // row))
         lo = pos // size * size
         hi = min(lo + size, np.uint64(base.shape[0]))
-        rank_span(base, agents, lo, hi, row, ranks, work, hist)
+        rank_span(base, agents, lo, hi, row, ranks, work, hist, tau)
         span[0] = lo
         span[1] = hi
     m = min(m, span[1] - pos)
@@ -143,10 +144,10 @@ def _unpack(mask, g, m, u):  # type: ignore[no-untyped-def]
 
 @njit(nogil=True, cache=True)
 def merge_range(base, agents, lo, hi, start, row, seeds, plo, p2e, rescale, factor, w, consts, agent_consts, key,  # type: ignore[no-untyped-def]
-                out, mask):
+                out, mask, tau):
     """Elements [lo, hi) of a block that starts at element ``start`` of its tensor, cut at chunk boundaries.
 
-    base [n], agents [N, n] stored values; seeds [N, chunks of the tensor] uint32 (the low 32 bits of
+    base [n], agents [N, n] stored values (``tau``: τ); seeds [N, chunks of the tensor] uint32 (the low 32 bits of
     _ops.chunk_seed: all that manual_seed keeps); plo, p2e, factor, w [N] float32; consts, agent_consts, key: the
     combine step's (select.combine); out [n]. The keep probability:
     DARE (row 0) plo, the density; DELLA (rows of ``row`` elements, whole rows in the block) plo + ρ̂ · p2e, with
@@ -169,12 +170,12 @@ def merge_range(base, agents, lo, hi, start, row, seeds, plo, p2e, rescale, fact
         if not stored:
             _start_piece(states, idx, seeds, c, start + pos - c * _CHUNK)
         while pos < end:
-            m = _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob)
+            m = _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob, tau)
             if stored:
                 _unpack(mask, start + pos, m, u)
             else:
                 _draw(states, idx, u, m)
-            bad |= _prune_tile(base, agents, pos, m, u, prob, rescale, factor, w, b32, wtd)
+            bad |= _prune_tile(base, agents, pos, m, u, prob, rescale, factor, w, b32, wtd, tau)
             combine(b32, wtd, m, consts, agent_consts, key, out[pos:pos + m])
             pos += m
     return bad
@@ -210,7 +211,7 @@ def _lanes_add(v, n, lanes, lane0):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def l1_range(base, agents, lo, hi, start, row, seeds, plo, p2e, carry, part, mask):  # type: ignore[no-untyped-def]
+def l1_range(base, agents, lo, hi, start, row, seeds, plo, p2e, carry, part, mask, tau):  # type: ignore[no-untyped-def]
     """The L1 sums of elements [lo, hi) of a block (cut as for merge_range), per piece, in float64 lanes.
 
     part [2, N, pieces of the block, 8]: the lanes of Σ|τ_t| (row 0) and Σ|τ_t · keep_t| (row 1) of each
@@ -241,7 +242,7 @@ def l1_range(base, agents, lo, hi, start, row, seeds, plo, p2e, carry, part, mas
                     part[r, t, piece, k] = carry[r, t, k] if piece == np.uint64(0) else zero
         _start_piece(states, idx, seeds, c, start + pos - c * _CHUNK)
         while pos < end:
-            m = _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob)
+            m = _tile(base, agents, pos, end, row, plo, p2e, span, ranks, work, hist, prob, tau)
             _draw(states, idx, u, m)
             for j in range(m):
                 b32[j] = _dec(base[pos + j])
@@ -251,7 +252,7 @@ def l1_range(base, agents, lo, hi, start, row, seeds, plo, p2e, carry, part, mas
                 ut = u[t]
                 at = agents[t]
                 for j in range(m):
-                    x = _dec(at[pos + j]) - b32[j]
+                    x = _tau(at, pos + j, b32[j], tau)
                     bad |= not np.isfinite(x)
                     a = np.float64(abs(x))
                     va[j] = a

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .codec import _dec, _f32_as_u32
+from .codec import _dec, _f32_as_u32, _tau
 
 MIN_BINS = 256  # counting-sort bins at least (a sparse row with a wide range of |τ| gets this many)
 _ABS = np.uint32(0x7FFFFFFF)
@@ -76,15 +76,16 @@ def _insertion(sk, si, nz, budget):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, cache=True)
-def rank_row(a, b, lo, row, ranks, off, work, hist):  # type: ignore[no-untyped-def]
-    """ranks[off + i] = the rank (0 = smallest) of |dec(a[lo + i]) − dec(b[lo + i])| among the row's ``row``
-    elements, ties by position: methods/_ops.row_ranks before its division. work, hist: ``scratch(row)``."""
+def rank_row(a, b, lo, row, ranks, off, work, hist, tau):  # type: ignore[no-untyped-def]
+    """ranks[off + i] = the rank (0 = smallest) of |dec(a[lo + i]) − dec(b[lo + i])| (``tau`` not None: |a[lo + i]|)
+    among the row's ``row`` elements, ties by position: methods/_ops.row_ranks before its division. work, hist:
+    ``scratch(row)``."""
     row = np.uint64(row)
     lo = np.uint64(lo)
     off = np.uint64(off)
     keys, nzk, nzi, sk, si = work[0], work[1], work[2], work[3], work[4]
     for i in range(row):  # the keys, in a loop of its own: it vectorises
-        keys[i] = _f32_as_u32(_dec(a[lo + i]) - _dec(b[lo + i])) & _ABS
+        keys[i] = _f32_as_u32(_tau(a, lo + i, _dec(b[lo + i]), tau)) & _ABS
     z = _U0
     nz = _U0
     for i in range(row):  # zeros ranked by position; the nonzeros compacted (no branch)
@@ -131,13 +132,13 @@ def rank_row(a, b, lo, row, ranks, off, work, hist):  # type: ignore[no-untyped-
 
 
 @njit(nogil=True, cache=True)
-def rank_span(base, agents, lo, hi, row, ranks, work, hist):  # type: ignore[no-untyped-def]
+def rank_span(base, agents, lo, hi, row, ranks, work, hist, tau):  # type: ignore[no-untyped-def]
     """ranks[t, 0:hi − lo] for the whole rows in [lo, hi) of a block, every agent t."""
     for t in range(len(agents)):
         a = agents[t]
         rt = ranks[t]
         for r0 in range(lo, hi, row):
-            rank_row(a, base, r0, row, rt, r0 - lo, work, hist)
+            rank_row(a, base, r0, row, rt, r0 - lo, work, hist, tau)
 
 
 @njit(nogil=True, cache=True)

@@ -1,10 +1,11 @@
-"""numba kernels for the sparsify-then-combine baselines (TIES, Breadcrumbs; see kernels.py and fastgta.py).
+"""numba kernels for the sparsify-then-combine baselines (TIES, Breadcrumbs; engine/fast_select.py runs them).
 
 Two histogram kernels give the exact order statistics of |τ| (the same radix select as methods/_select.py:
 one digit of the float32 pattern per round, later rounds inside the bin the earlier ones fixed), and one
-kernel does the merge rule of methods/gta.py element by element: keep window, weights, sign election,
-disjoint mean, scaling, rounding. Every float32 operation is the torch path's, in the same order, with no
-fast-math, so the bytes written are identical (tests/test_fastgta.py).
+kernel does the merge of methods/gta.py element by element: keep window and weights, then the combine rule
+(sign election, disjoint mean, scaling, rounding). Every float32 operation is the torch path's, in the same
+order, with no fast-math, so the bytes written are identical (tests/test_fastgta.py). ``tau``: None, or the
+agents come as their float32 τ (a LoRA adapter among them; codec._tau).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .codec import _dec, _f32_as_u32
+from .codec import _dec, _f32_as_u32, _tau
 from .fused import rule_tile
 from .layout import TILE
 
@@ -20,7 +21,7 @@ _ABS = np.uint32(0x7FFFFFFF)
 
 
 @njit(nogil=True, cache=True)
-def hist_first(base, agents, lo, hi, hist):  # type: ignore[no-untyped-def]
+def hist_first(base, agents, lo, hi, hist, tau):  # type: ignore[no-untyped-def]
     """hist[t, j % S, bits 30–20 of |τ_t|] += 1 over elements [lo, hi), exact zeros in column BINS[0] instead
     (round 0 of methods/_select.py).
 
@@ -37,14 +38,14 @@ def hist_first(base, agents, lo, hi, hist):  # type: ignore[no-untyped-def]
         for start in range(np.uint64(lo), np.uint64(hi), np.uint64(TILE)):
             m = min(np.uint64(TILE), np.uint64(hi) - start)
             for j in range(m):
-                u = _f32_as_u32(_dec(a[start + j]) - _dec(base[start + j])) & _ABS
+                u = _f32_as_u32(_tau(a, start + j, _dec(base[start + j]), tau)) & _ABS
                 keys[j] = zero_key if u == np.uint32(0) else u >> np.uint32(20)
             for j in range(m):
                 h[np.uint32(j) & subs, keys[j]] += 1
 
 
 @njit(nogil=True, cache=True)
-def hist_next(base, agents, lo, hi, streams, prefix, active, shift, width, hist):  # type: ignore[no-untyped-def]
+def hist_next(base, agents, lo, hi, streams, prefix, active, shift, width, hist, tau):  # type: ignore[no-untyped-def]
     """hist[q, digit of |τ_t| at ``shift``, ``width`` bits] += 1 for the elements whose bits above that digit
     equal prefix[q] (t = streams[q]), for the active queries: a later round of methods/_select.py.
 
@@ -65,14 +66,14 @@ def hist_next(base, agents, lo, hi, streams, prefix, active, shift, width, hist)
         for start in range(np.uint64(lo), np.uint64(hi), np.uint64(TILE)):
             m = min(np.uint64(TILE), np.uint64(hi) - start)
             for j in range(m):
-                u = _f32_as_u32(_dec(a[start + j]) - _dec(base[start + j])) & _ABS
+                u = _f32_as_u32(_tau(a, start + j, _dec(base[start + j]), tau)) & _ABS
                 keys[j] = ((u >> sh) & mask) if (u >> above) == target else spare + (np.uint32(j) & np.uint32(7))
             for j in range(m):
                 h[keys[j]] += 1
 
 
 @njit(nogil=True, cache=True)
-def _tile(base, agents, lo, m, keep_lo, keep_hi, cut, offset, w, consts, agent_consts, key, out, wtd, b32):  # type: ignore[no-untyped-def]
+def _tile(base, agents, lo, m, keep_lo, keep_hi, cut, offset, w, consts, agent_consts, key, out, wtd, b32, tau):  # type: ignore[no-untyped-def]
     zero = np.float32(0.0)
     one = np.float32(1.0)
     for j in range(m):
@@ -83,7 +84,7 @@ def _tile(base, agents, lo, m, keep_lo, keep_hi, cut, offset, w, consts, agent_c
         # |τ| = lt is kept at flat indices below cut[t] (exact k; NO_CUT: always): index − first < cut − first
         room = cut[t] - (np.int64(offset) + np.int64(lo))
         for j in range(m):
-            x = _dec(at[lo + j]) - b32[j]
+            x = _tau(at, lo + j, b32[j], tau)
             a = abs(x)
             inside = (a > lt or (a == lt and np.int64(j) < room)) and a <= ht
             wtd[t, j] = (x * (one if inside else zero)) * wt
@@ -100,7 +101,7 @@ def combine(b32, wtd, m, consts, agent_consts, key, out):  # type: ignore[no-unt
 
 
 @njit(nogil=True, cache=True)
-def merge_range(base, agents, lo, hi, keep_lo, keep_hi, cut, offset, w, consts, agent_consts, key, out):  # type: ignore[no-untyped-def]
+def merge_range(base, agents, lo, hi, keep_lo, keep_hi, cut, offset, w, consts, agent_consts, key, out, tau):  # type: ignore[no-untyped-def]
     """Elements [lo, hi) of one block: θ₀ + combine(prune(τ) · w) into out [n]; see gta.py. ``agents``: a tuple
     of N arrays [n]; cut [N] int64 and ``offset`` (the block's first flat index in its tensor): TIES' exact k
     (methods/_select.TieCut); consts, agent_consts, key: the combine step's (``combine``)."""
@@ -109,4 +110,4 @@ def merge_range(base, agents, lo, hi, keep_lo, keep_hi, cut, offset, w, consts, 
     for start in range(lo, hi, TILE):
         m = min(TILE, hi - start)
         _tile(base, agents, np.uint64(start), np.uint64(m), keep_lo, keep_hi, cut, np.int64(offset), w, consts,
-              agent_consts, key, out, wtd, b32)
+              agent_consts, key, out, wtd, b32, tau)
