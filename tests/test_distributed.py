@@ -59,6 +59,23 @@ def test_a_merge_split_over_ray_tasks_writes_the_local_bytes(cluster, example, t
         assert res.passes == local.passes
 
 
+def test_lora_adapters_over_ray_write_the_local_bytes(cluster, tmp_path: Path) -> None:
+    """Agents that are PEFT adapters (every agent read as its τ, on the numba kernels) merge on Ray as locally."""
+    pytest.importorskip("peft")
+    from conftest import TINY
+    from rlmerge.synthetic import make_example
+    from test_inputs_lora import _adapter
+
+    base, _ = make_example(tmp_path / "in", shape=TINY, densities=())
+    adapters = [_adapter(base, tmp_path / "a0", 0, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                _adapter(base, tmp_path / "a1", 1, r=8, lora_alpha=16, target_modules=["q_proj", "gate_proj"])]
+    for method in ("ram+", "ties"):
+        kw = {"method": method, "shard_size": SHARD, "dtype": "bfloat16"}
+        local = rlmerge.merge(base, adapters, tmp_path / f"local-{method}", **kw)
+        res = merge_on_ray(base, adapters, tmp_path / f"ray-{method}", **kw, workers=2)
+        same_folder(local.output, res.output)
+
+
 def test_a_killed_worker_is_retried_and_a_merge_out_of_retries_resumes(cluster, example, tmp_path: Path) -> None:
     base, agents = example
     local = rlmerge.merge(base, agents, tmp_path / "local", method="ram+", shard_size=SHARD)
