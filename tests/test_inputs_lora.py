@@ -167,7 +167,7 @@ def test_ties_exact_k_on_adapter_tau_writes_the_torch_paths_bytes(lora, tmp_path
     assert numba_route(base, agents, "ties")[0]
     feeds = []
     real = fast_select._feed_cut
-    monkeypatch.setattr(fast_select, "_feed_cut", lambda *a: feeds.append(a[-1]) or real(*a))
+    monkeypatch.setattr(fast_select, "_feed_cut", lambda *a: feeds.append(a[0].tau) or real(*a))
     kw = {"method": "ties", "params": {"density": 0.3}, "dtype": "bfloat16", "block_size": 3000}
     rlmerge.merge(base, agents, tmp_path / "numba", **kw)
     assert feeds and all(feeds)  # ties at a threshold were cut, from τ

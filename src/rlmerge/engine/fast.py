@@ -18,7 +18,7 @@ from .. import kernels
 from .._threads import Workers
 from .._torch import torch
 from ..errors import ConfigError
-from ..io.dtypes import BF16, F32, DType
+from ..io.dtypes import BF16, F32
 from ..io.mapping import DONTNEED, WILLNEED, Mapped
 from ..io.writer import CheckpointWriter
 from ..methods import MethodSpec
@@ -165,36 +165,24 @@ class FastPath:
 
     # -- reading ---------------------------------------------------------------------------------------
     def _read(self, slot: _Slot, job: Job, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """A copy of the block in ``slot``: base [n], agents [N, n] (read-only, like the mapped views)."""
+        """A copy of the block in ``slot``: base [n] and agents [N, n], read-only like the mapped views. The agents'
+        stored values, or with ``tau`` every agent's τ in float32 as the torch path computes it
+        (engine/blocks.read_delta: θ_t − θ₀ in float32, or an adapter's own τ), so the kernels see the same values."""
+        n, count = stop - start, len(self.match.agents)
+        bdt = STORED[job.info.dtype]
+        base = slot.base[: n * np.dtype(bdt).itemsize].view(bdt)
+        self.match.base.read_into(job.name, start, stop, memoryview(base.view(np.uint8)))
         if self.tau:
-            return self._read_tau(slot, job, start, stop)
-        n = stop - start
-        bdt = STORED[job.info.dtype]
-        adt = STORED[self.match.agents[0].tensors[job.name].dtype]
-        size = np.dtype(adt).itemsize
-        base = slot.base[: n * np.dtype(bdt).itemsize]
-        self.match.base.read_into(job.name, start, stop, memoryview(base))
-        agents = slot.agents[: len(self.match.agents) * n * size]
-        for t, a in enumerate(self.match.agents):
-            a.read_into(job.name, start, stop, memoryview(agents[t * n * size:(t + 1) * n * size]))
-        base, agents = base.view(bdt), agents.view(adt).reshape(len(self.match.agents), n)
+            agents = slot.agents[: count * n * 4].view(np.float32).reshape(count, n)
+            b32 = torch.from_numpy(slot.b32[:n]).copy_(torch.from_numpy(base).view(job.info.dtype.torch))
+            for t, a in enumerate(self.match.agents):
+                read_delta(a, job.name, start, stop, b32, torch.from_numpy(agents[t]))
+        else:
+            adt = STORED[self.match.agents[0].tensors[job.name].dtype]
+            agents = slot.agents[: count * n * np.dtype(adt).itemsize].view(adt).reshape(count, n)
+            for t, a in enumerate(self.match.agents):
+                a.read_into(job.name, start, stop, memoryview(agents[t].view(np.uint8)))
         base.flags.writeable = agents.flags.writeable = False  # one kernel signature for copies and views
-        return base, agents
-
-    def _read_tau(self, slot: _Slot, job: Job, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """The block in ``slot`` with every agent as its τ in float32 [N, n]: what the torch path computes
-        (engine/blocks.py), θ_t − θ₀ in float32 or the adapter's own τ, so the kernel's τ are the same values."""
-        n = stop - start
-        bdt = STORED[job.info.dtype]
-        base = slot.base[: n * np.dtype(bdt).itemsize]
-        self.match.base.read_into(job.name, start, stop, memoryview(base))
-        b32 = torch.from_numpy(slot.b32[:n]).copy_(torch.from_numpy(base.view(bdt)).view(job.info.dtype.torch))
-        agents = slot.agents[: len(self.match.agents) * n * 4].view(np.float32).reshape(len(self.match.agents), n)
-        taus = torch.from_numpy(agents)
-        for t, a in enumerate(self.match.agents):
-            read_delta(a, job.name, start, stop, b32, taus[t])
-        base = base.view(bdt)
-        base.flags.writeable = agents.flags.writeable = False
         return base, agents
 
     def _views(self, job: Job, start: int, stop: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]] | None:
@@ -276,19 +264,27 @@ class FastPath:
             return [fn(*parts[0])]
         return self._compute.map(fn, parts)
 
-    def raise_non_finite(self, job: Job, start: int, base: np.ndarray, agents: Any) -> None:
-        def f32(a: np.ndarray, dtype: DType) -> torch.Tensor:
-            return torch.from_numpy(np.array(a)).view(dtype.torch).float()
+    def block_tau(self, base: np.ndarray, agents: Any) -> np.ndarray:
+        """τ [N, n] float32 of (part of) a block, as the kernels see it: each agent's stored values decoded minus
+        the base's, or with ``tau`` the agents as the block holds them."""
+        if self.tau:
+            return np.stack(agents)
+        b = _decoded(base)
+        return np.stack([_decoded(a) - b for a in agents])
 
-        b = f32(base, job.info.dtype)
-        deltas = (torch.from_numpy(np.stack(agents)) if self.tau  # the blocks hold τ already
-                  else f32(np.stack(agents), self.match.agents[0].tensors[job.name].dtype) - b)
+    def raise_non_finite(self, job: Job, start: int, base: np.ndarray, agents: Any) -> None:
         files = [str(a.tensors[job.name].file) for a in self.match.agents]
-        check_finite(deltas, torch.tensor([float("nan")]), name=job.name, files=files, start=start)
+        check_finite(torch.from_numpy(self.block_tau(base, agents)), torch.tensor([float("nan")]), name=job.name,
+                     files=files, start=start)
 
     def out_view(self, slot: _Slot, job: Job, n: int) -> np.ndarray:
         dt = STORED[job.out_dtype]
         return slot.out[: n * np.dtype(dt).itemsize].view(dt)
+
+
+def _decoded(x: np.ndarray) -> np.ndarray:
+    """Stored values in float32: bfloat16 bits (uint16) are the high half of a float32; float32 as it is."""
+    return (x.astype(np.uint32) << np.uint32(16)).view(np.float32) if x.dtype == np.uint16 else x
 
 
 def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar: Any,

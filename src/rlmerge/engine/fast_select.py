@@ -159,7 +159,7 @@ class SelectBackend:
                     more = self._end_round(job.name)
             cut = self.obs.cut  # exact k: where the ties at each threshold stop, found block by block
             if cut is not None and not cut.done:
-                _feed_cut(cut, start, base, agents, self.tau is not None)
+                _feed_cut(self.fast, cut, start, base, agents)
             merged = self.fast.out_view(slot, job, stop - start)
             self._merge(job, start, base, agents, merged, self.no_cut if cut is None else cut.cut)
             write_slot(out, slot, merged, bar)
@@ -178,23 +178,12 @@ class SelectBackend:
 CUT_CHUNK = 1 << 16  # elements decoded at a time to find a tie cut: a few hundred KB beside the block
 
 
-def _feed_cut(cut: TieCut, start: int, base: np.ndarray, agents: Any, tau: bool) -> None:
+def _feed_cut(fast: FastPath, cut: TieCut, start: int, base: np.ndarray, agents: Any) -> None:
     """Feed one block to ``cut`` in chunks (decoding the whole block at once would need N float32 copies of it),
     stopping once every cut is found."""
     for lo in range(0, base.shape[0], CUT_CHUNK):
         hi = min(lo + CUT_CHUNK, base.shape[0])
-        cut.feed(start + lo, _abs_tau(base[lo:hi], [a[lo:hi] for a in agents], tau))
+        tau = fast.block_tau(base[lo:hi], [a[lo:hi] for a in agents])
+        cut.feed(start + lo, np.abs(tau, out=tau))
         if cut.done:
             return
-
-
-def _abs_tau(base: np.ndarray, agents: Any, tau: bool) -> np.ndarray:
-    """|τ| [N, n] float32 of one block of the mapped inputs (bfloat16 bits or float32), as the kernels decode it;
-    ``tau``: the agents hold τ already."""
-    if tau:
-        return np.abs(np.stack(agents))
-    def f32(x: np.ndarray) -> np.ndarray:
-        return (x.astype(np.uint32) << np.uint32(16)).view(np.float32) if x.dtype == np.uint16 else x
-    b = f32(base)
-    return np.stack([np.abs(f32(a) - b) for a in agents])
-
