@@ -27,8 +27,8 @@ def _f32_as_u32(typingctx, x):  # type: ignore[no-untyped-def]
 def _dec(v):  # type: ignore[no-untyped-def]  # stored value → float32
     raise NotImplementedError
 
-# inline="always" (numba inlines the IR): a call in a loop keeps it from vectorising (measured: a rule with
-# _put called 24 ns/element, inlined 2.7). Safe only for bodies without control flow: numba's IR inliner
+# inline="always" (numba inlines the IR): a call in a loop keeps it from vectorising (measured: a rule calling the
+# rounding as a function 24 ns/element, inlined 2.7). Safe only for bodies without control flow: numba's IR inliner
 # miscompiled a conditional expression inside an inlined function, so these use arithmetic, not `if`.
 @overload(_dec, inline="always")
 def _dec_ov(v):  # type: ignore[no-untyped-def]
@@ -51,10 +51,10 @@ def _tau_ov(a, k, b, tau):  # type: ignore[no-untyped-def]
         return lambda a, k, b, tau: _dec(a[k]) - b
     return lambda a, k, b, tau: a[k]
 
-# float32 → the stored output dtype, as torch's .to(), written once as source: the fused kernel writes it into its
-# generated loop (fused.py), and the ``_put`` overload below is compiled from the same text. bfloat16: round to
-# nearest, ties to even (c10::BFloat16 round_to_nearest_even); NaN → torch's canonical 0x7FC0. Arithmetic, not
-# ``if``: numba's IR inliner miscompiled a conditional expression inside an inlined function.
+# float32 → the stored output dtype, as torch's .to(), as source: the fused kernel writes it into its generated loop
+# (fused.py), which every kernel that writes merged values runs. bfloat16: round to nearest, ties to even
+# (c10::BFloat16 round_to_nearest_even); NaN → torch's canonical 0x7FC0. Arithmetic, not ``if``: numba's IR
+# inliner miscompiled a conditional expression inside an inlined function.
 PUT_SOURCE = {
     "uint16": ("u = _f32_as_u32({v})\n"
                "r = (u + ((u >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)) >> np.uint32(16)\n"
@@ -68,16 +68,3 @@ def put_lines(out_dtype: str, value: str, indent: str) -> str:
     """``PUT_SOURCE`` for ``out_dtype`` storing ``value`` into ``out[i]``, indented."""
     return "\n".join(indent + line for line in PUT_SOURCE[out_dtype].format(v=value).splitlines())
 
-
-def _put(out, i, v):  # type: ignore[no-untyped-def]  # float32 → output dtype, as torch's .to()
-    raise NotImplementedError
-
-
-@overload(_put, inline="always")
-def _put_ov(out, i, v):  # type: ignore[no-untyped-def]
-    name = str(out.dtype)
-    if name not in PUT_SOURCE:
-        return None
-    scope = {"np": np, "_f32_as_u32": _f32_as_u32}
-    exec(f"def put(out, i, v):\n{put_lines(name, 'v', '    ')}\n", scope)  # noqa: S102 the text above
-    return scope["put"]

@@ -104,7 +104,7 @@ _CODES = '''
 '''
 # Decoding and rounding are written into the loop's source rather than called: a call (or numba's IR
 # inlining of one) keeps the loop from vectorising, or worse (miscompiled selects were seen with
-# inline="always"). The rounding's text is codec.PUT_SOURCE, which the other kernels' _put is compiled from.
+# inline="always"). The rounding's text is codec.PUT_SOURCE.
 _DECODE = {"uint16": "_u32_as_f32(np.uint32({x}) << np.uint32(16))",  # bfloat16: the high half of a float32
            "float32": "{x}"}
 _SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/", "gt": ">", "ge": ">=", "lt": "<", "le": "<=",
