@@ -152,6 +152,12 @@ class FastPath:
         self._compute = Workers(self.threads, "rlmerge-compute")
         self._reader = Workers(1, "rlmerge-read")
 
+    @property
+    def tau_arg(self) -> bool | None:
+        """The selection and DARE kernels' ``tau`` argument: True when the blocks hold τ, else None
+        (kernels/codec._tau decides from its type)."""
+        return True if self.tau else None
+
     def step(self, job: Job) -> int:
         """Elements per block of ``job``: ``block``, or with ``rows`` whole rows and tiles (row_step)."""
         return row_step(job.info.shape, job.numel, self.block) if self.rows else self.block

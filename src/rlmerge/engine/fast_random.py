@@ -61,7 +61,6 @@ class RandomBackend:
         self.stats_args = stats_args(n, run.stats.epsilon)
         self.magprune = preset.prune == "magprune"
         self.rescale = RESCALE[params.rescale]
-        self.tau = True if fast.tau else None  # the kernels' τ argument: the agents come as float32 τ
         self.ones = np.ones(n, dtype=np.float32)
         self.no_mask = np.empty((n, 0), dtype=np.uint8)
         self._bits = np.empty(0, dtype=np.uint8)  # reused by every tensor's keep bits
@@ -138,14 +137,14 @@ class RandomBackend:
                      factor: np.ndarray, merged: np.ndarray, mask: np.ndarray) -> None:
         self._threads(job, start, base, agents, lambda lo, hi: kernels.dare_merge_range(
             base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, self.rescale, factor, self.c.w,
-            *self.consts, self.key, merged, mask, self.tau))
+            *self.consts, self.key, merged, mask, self.fast.tau_arg))
 
     def _l1_block(self, job: Job, start: int, stop: int, base: np.ndarray, agents: np.ndarray, seeds: np.ndarray,
                   l1: _L1Sums) -> None:
         part = np.empty((2, self.n, (stop - 1) // CHUNK - start // CHUNK + 1, 8), dtype=np.float64)
         self._threads(job, start, base, agents, lambda lo, hi: kernels.dare_l1_range(
             base, agents, lo, hi, start, self._rowlen(job), seeds, self.plo, self.p2e, l1.carry, part, l1.bits,
-            self.tau))
+            self.fast.tau_arg))
         kernels.dare_fold(part, l1.carry, l1.total, start, stop, job.numel)
 
 

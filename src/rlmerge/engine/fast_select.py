@@ -51,7 +51,6 @@ class SelectBackend:
         self.no_cut = np.full(n, NO_CUT, dtype=np.int64)
         self.stats_args = stats_args(n, run.stats.epsilon)
         self.whole_model = observer.preset.prune == "magnitude-global"
-        self.tau = True if fast.tau else None  # the kernels' τ argument: the agents come as float32 τ
         # round 0 per agent: sub-histograms of the digit, then the zeros; later rounds per query, spares past the end
         self.hist0 = np.zeros((fast.threads, n, kernels.SUBHISTS, BINS[0] + 1), dtype=np.int64)
         self.histq = np.zeros((fast.threads, 0, max(BINS[1:]) + 8), dtype=np.int64)
@@ -67,7 +66,7 @@ class SelectBackend:
         assert sel is not None
         if sel.round == 0:
             self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_hist_first(
-                base, agents, lo, hi, self.hist0[k], self.tau))
+                base, agents, lo, hi, self.hist0[k], self.fast.tau_arg))
             if self.hist0[:, :, :, kernels.GTA_NONFINITE_BIN:BINS[0]].any():  # |τ| ≥ inf: exponent all ones
                 self.fast.raise_non_finite(job, start, base, agents)
             self._numel += base.shape[0]
@@ -76,7 +75,7 @@ class SelectBackend:
             self.histq = np.zeros((self.fast.threads, len(sel.streams), max(BINS[1:]) + 8), dtype=np.int64)
         shift, width = sel.digit
         self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_hist_next(
-            base, agents, lo, hi, sel.streams, sel.prefix, sel.active, shift, width, self.histq[k], self.tau))
+            base, agents, lo, hi, sel.streams, sel.prefix, sel.active, shift, width, self.histq[k], self.fast.tau_arg))
 
     def _end_round(self, name: str | None) -> bool:
         """Hand the round's counts to the observer; True while another round is wanted."""
@@ -172,7 +171,8 @@ class SelectBackend:
         cut = np.ascontiguousarray(cut, dtype=np.int64)
         key, (consts, agent_consts) = kernels.rule_key(c.program, tau=True), c.program.arrays(c.values)
         self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_merge_range(
-            base, agents, lo, hi, keep_lo, keep_hi, cut, start, c.w, consts, agent_consts, key, merged, self.tau))
+            base, agents, lo, hi, keep_lo, keep_hi, cut, start, c.w, consts, agent_consts, key, merged,
+            self.fast.tau_arg))
 
 
 CUT_CHUNK = 1 << 16  # elements decoded at a time to find a tie cut: a few hundred KB beside the block
