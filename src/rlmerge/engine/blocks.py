@@ -62,7 +62,7 @@ def read_delta(agent: Checkpoint, name: str, start: int, stop: int, base: torch.
                out: torch.Tensor) -> torch.Tensor:
     """τ of ``agent`` over flat elements [start, stop) of ``name`` in float32, into ``out``: θ_t − θ₀ from its
     stored values (``base``: θ₀ there, float32), or the τ an agent supplies itself (a LoRA adapter). Both backends
-    read τ through this (the numba one when an agent is an adapter: engine/fast.FastPath._read_tau)."""
+    read τ through this (the numba one when an agent is an adapter: engine/fast.FastPath._read)."""
     if not agent.stored_bytes:
         return agent.read_delta_f32(name, start, stop, base, out)  # type: ignore[attr-defined]
     return agent.read_f32(name, start, stop, out).sub_(base[:stop - start])

@@ -79,7 +79,7 @@ def stats_args(n_agents: int, eps: float) -> RuleArgs:
 
 
 def reads_tau(match: Match) -> bool:
-    """The numba path reads every agent as its float32 τ (FastPath._read_tau): an agent supplies τ rather than
+    """The numba path reads every agent as its float32 τ (FastPath._read): an agent supplies τ rather than
     stored bytes (a LoRA adapter). Every kernel takes the agents that way too (``tau``)."""
     return not all(a.stored_bytes for a in match.agents)
 
@@ -148,7 +148,7 @@ class FastPath:
         self.gram = np.zeros((self.threads, n, n), dtype=np.float64)
         self._dummy_out = np.empty(1, dtype=np.float32)
         self.mapped = Mapped()
-        self.tau = reads_tau(match)  # every agent's τ is read into the blocks, in float32 (_read_tau)
+        self.tau = reads_tau(match)  # every agent's τ is read into the blocks, in float32 (_read)
         self._compute = Workers(self.threads, "rlmerge-compute")
         self._reader = Workers(1, "rlmerge-read")
 
