@@ -101,6 +101,8 @@ def merge_command(
                                               "leave it to the OS, as transformers and mergekit do)")] = True,
     allow_missing: o.AllowMissing = False,
     count_tied_twice: o.CountTiedTwice = False,
+    tokenizer_source: o.TokenizerSource = None,
+    chat_template: o.ChatTemplate = None,
     seed: Annotated[int | None, typer.Option(help="seed for random methods")] = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no progress bars or tables")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
@@ -112,7 +114,8 @@ def merge_command(
     req = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
                  rescale_factor=rescale_factor, epsilon=eps, scaling=scaling)
     options = dict(req.options)
-    run = {"shard_size": shard_size, "block_size": block_size, "device": device, "seed": seed}
+    run = {"shard_size": shard_size, "block_size": block_size, "device": device, "seed": seed,
+           "tokenizer_source": tokenizer_source, "chat_template": chat_template}
     options.update({k: v for k, v in run.items() if v is not None})
     options["allow_missing"] = allow_missing or options.get("allow_missing", False)
     options["count_tied_twice"] = count_tied_twice or options.get("count_tied_twice", False)
@@ -120,6 +123,9 @@ def merge_command(
         print_notes(req)
     run_merge = merge
     if backend == "ray":
+        local_only = [k for k in ("tokenizer_source", "chat_template") if options.get(k) is not None]
+        if local_only:
+            raise ConfigError(f"{local_only[0]} runs on the local backend only", hint="merge without --backend ray")
         from ..engine.distributed import merge_on_ray  # Ray is imported only here
 
         run_merge = functools.partial(merge_on_ray, workers=workers)

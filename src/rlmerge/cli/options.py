@@ -26,3 +26,8 @@ ShardSize = Annotated[str | None, typer.Option(help="max shard size, e.g. 5GB")]
 BlockSize = Annotated[int | None, typer.Option(help="elements per block (memory bound)")]
 AllowMissing = Annotated[bool, typer.Option(help="an agent missing a tensor counts as unchanged")]
 CountTiedTwice = Annotated[bool, typer.Option(help="count tied embeddings twice, as the authors' script")]
+TokenizerSource = Annotated[str | None, typer.Option(help="the output's tokenizer, as mergekit's tokenizer_source: "
+                                                         "base (rows mapped by token), union (every model's tokens) "
+                                                         "or an AGENT (default: the base's, rows as stored)")]
+ChatTemplate = Annotated[str | None, typer.Option(help="the output's chat template: base (default), auto (the one "
+                                                       "most models share), an AGENT, a .jinja FILE, or its text")]

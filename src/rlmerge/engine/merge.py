@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InputError, RLMergeError, raise_all
 from ..io.checkpoint import SIDE_FILES, Checkpoint
 from ..io.partial import PartialDir, fingerprint, input_identity
+from ..io.tokenizer import GENERATION, TEMPLATE_FILES, TOKENIZER_FILES
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
 from ..methods import MethodSpec
 from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
@@ -29,6 +30,8 @@ from .route import Route, route
 
 if TYPE_CHECKING:
     from .cache import CacheView, StatsCache
+
+TOKENIZER_SIDE = (*TOKENIZER_FILES, *TEMPLATE_FILES, GENERATION)  # side files the tokenizer plan decides
 
 
 @dataclass
@@ -58,7 +61,8 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           force: bool = False, allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
           quiet: bool = True, recipe: Mapping[str, Any] | None = None, resume: bool = False,
           fsync: bool = True, cache: StatsCache | None = None, defaults: Sequence[str] = (),
-          notes: Sequence[str] = ()) -> MergeResult:
+          notes: Sequence[str] = (), tokenizer_source: str | None = None,
+          chat_template: str | None = None) -> MergeResult:
     """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
 
     >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
@@ -72,12 +76,15 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     merges of the same inputs (``rlmerge.sweep`` keeps one).
 
     ``defaults`` and ``notes``: what a recipe's translation said (mergekit's defaults it applied, what it ignores),
-    written to rlmerge.json and the model card.
+    written to rlmerge.json and the model card. ``tokenizer_source`` (None, ``base``, ``union`` or an agent) and
+    ``chat_template`` (``base``, ``auto``, an agent, a file or the template's text): the output's tokenizer, with
+    mergekit's meaning (io/tokenizer_plan.py).
     """
     t0 = time.perf_counter()
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
                    block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
-                   count_tied_twice=count_tied_twice, seed=seed)
+                   count_tied_twice=count_tied_twice, seed=seed, tokenizer_source=tokenizer_source,
+                   chat_template=chat_template)
     try:
         raise_all(pf.problems)
         assert pf.match is not None and pf.spec is not None  # no problems: every stage ran
@@ -121,10 +128,13 @@ def output_fingerprint(match: Match, spec: MethodSpec, p: Any, *, seed: int, rec
     ``schedule``: a recipe's per-tensor parameters (gradients, filters), part of what decides the bytes."""
     metadata = {"rlmerge_method": spec.name}
     params_key = repr(p) + (repr(sorted((k, str(v)) for k, v in schedule.items())) if schedule else "")
-    fp = fingerprint([match.base, *match.agents, *extras], {
+    decides = {
         "method": spec.name, "params": params_key, "seed": seed, "recipe": recipe, "metadata": metadata,
         "device": device_type(device),  # float results may differ between CPU and GPU kernels
-        "headers": [shard_header(s, metadata).hex() for s in layout_shards(match.jobs, shard_bytes)]})
+        "headers": [shard_header(s, metadata).hex() for s in layout_shards(match.jobs, shard_bytes)]}
+    if match.tokenizer is not None and match.tokenizer.key:  # where each vocabulary row comes from
+        decides["vocabulary"] = match.tokenizer.key
+    fp = fingerprint([match.base, *match.agents, *extras], decides)
     return metadata, fp
 
 
@@ -259,14 +269,21 @@ def check_copies(match: Match) -> None:
 
 
 def _side_files(base: Checkpoint, writer: CheckpointWriter, match: Match) -> None:
-    """config, generation config, tokenizer and chat-template files come from the base."""
+    """config.json and the base's other side files; the tokenizer, chat-template and generation files the tokenizer
+    plan chose (io/tokenizer_plan.py: the base's unless asked otherwise)."""
+    chosen = match.tokenizer.files if match.tokenizer is not None else None
     for name in SIDE_FILES:
         src = base.side_dir / name
-        if not src.is_file():
-            continue
         if name == "config.json":
-            writer.write_text(name, _config_with_dtype(base.config, match))
-        else:
+            if src.is_file():
+                writer.write_text(name, _config_with_dtype(base.config, match))
+        elif chosen is not None and name in TOKENIZER_SIDE:
+            given = chosen.get(name)
+            if isinstance(given, bytes):
+                writer.write_bytes(name, given)
+            elif given is not None:
+                writer.copy_file(given)
+        elif src.is_file():
             writer.copy_file(src)
 
 
@@ -283,4 +300,6 @@ def _config_with_dtype(config: dict[str, Any], match: Match) -> str:
             cfg["torch_dtype"] = name
     if match.untied_output:  # lm_head is stored: loaders must not tie it to the embeddings
         cfg["tie_word_embeddings"] = False
+    if match.tokenizer is not None and match.tokenizer.vocab_size is not None:  # the output's vocabulary rows
+        cfg["vocab_size"] = match.tokenizer.vocab_size
     return json.dumps(cfg, indent=2, sort_keys=True) + "\n"

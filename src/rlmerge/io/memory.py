@@ -95,6 +95,9 @@ class MemoryWriter:
     def write_text(self, name: str, text: str) -> None:
         self.files[name] = text.encode()
 
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.files[name] = bytes(data)
+
     def copy_file(self, src: Path) -> None:
         try:
             self.files[src.name] = src.read_bytes()

@@ -322,6 +322,9 @@ class CheckpointWriter:
     def write_text(self, name: str, text: str) -> None:
         self.partial.write_bytes(name, text.encode())
 
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.partial.write_bytes(name, data)
+
     def copy_file(self, src: Path) -> None:
         """A side file (config, tokenizer …) of an input, copied whole (they are small)."""
         try:

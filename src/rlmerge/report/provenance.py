@@ -84,6 +84,8 @@ def provenance(match: Match, result: MergeResult, recipe: Mapping[str, Any] | No
         doc["per_tensor_parameters"] = dict(result.per_tensor)
     if result.defaults:
         doc["defaults_applied"] = list(result.defaults)
+    if match.tokenizer is not None:  # what the output's tokenizer is, and how the agents' differ
+        doc["tokenizer"] = match.tokenizer.to_json()
     return doc
 
 
