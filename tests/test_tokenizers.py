@@ -9,6 +9,7 @@ rows each token must get by mergekit's rule written out by hand, and the written
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -307,9 +308,12 @@ def test_bad_choices_are_refused_before_any_weight_is_read(models, tmp_path: Pat
         rlmerge.merge(models["base"], agents, tmp_path / "o", tokenizer_source="everything")
     with pytest.raises(ConfigError, match="neither base, auto, an agent"):
         rlmerge.merge(models["base"], agents, tmp_path / "o", chat_template="chatml", tokenizer_source="union")
+    plain = tmp_path / "plain"
+    shutil.copytree(models["coder"], plain)
+    _edit(plain, "tokenizer_config.json", lambda d: d.pop("chat_template"))
     with pytest.raises(InputError, match="has no chat template"):
-        rlmerge.merge(models["base"], agents, tmp_path / "o", chat_template=str(models["memory"]),
+        rlmerge.merge(models["base"], [*agents[:2], plain], tmp_path / "o", chat_template="plain",
                       tokenizer_source="union")
-    with pytest.raises(InputError, match="vocabulary was resized: choose the output's vocabulary"):
+    with pytest.raises(ProblemsError, match="vocabulary was resized: choose the output's vocabulary"):
         rlmerge.merge(models["base"], agents, tmp_path / "o")
     assert not (tmp_path / "o").exists()

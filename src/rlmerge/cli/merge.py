@@ -109,6 +109,9 @@ def merge_command(
     backend: Annotated[str, typer.Option(help="local, or ray: the passes as Ray tasks split by output shard, the "
                                               "same bytes (pip install 'rlmerge[ray]'; docs/scale.md)")] = "local",
     workers: Annotated[int | None, typer.Option(min=1, help="--backend ray: tasks at once")] = None,
+    push_to_hub: o.PushToHub = None,
+    private: o.Private = False,
+    revision: o.Revision = None,
 ) -> None:
     """Merge AGENTs (RL fine-tunes of BASE) into one Hugging Face checkpoint."""
     req = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
@@ -124,6 +127,7 @@ def merge_command(
     run_merge = merge
     if backend == "ray":
         local_only = [k for k in ("tokenizer_source", "chat_template") if options.get(k) is not None]
+        local_only += ["push_to_hub"] if push_to_hub else []
         if local_only:
             raise ConfigError(f"{local_only[0]} runs on the local backend only", hint="merge without --backend ray")
         from ..engine.distributed import merge_on_ray  # Ray is imported only here
@@ -133,7 +137,8 @@ def merge_command(
         raise ConfigError(f"--backend {backend!r}", hint="local or ray")
     res = run_merge(req.base, req.agents, output, method=req.method, params=req.params, dtype=req.dtype, force=force,
                     quiet=quiet or json_out, recipe=req.raw, resume=resume, fsync=fsync, defaults=req.defaults,
-                    notes=req.warnings, **options)
+                    notes=req.warnings, **options, **({"push_to_hub": push_to_hub, "private": private,
+                                                      "revision": revision} if push_to_hub else {}))
     for w in res.warnings:
         if w not in req.warnings:  # said before the merge
             err.print(f"[yellow]warning:[/] {w}")
@@ -141,6 +146,8 @@ def merge_command(
         out.print_json(json.dumps(result_json(res)))
     elif not quiet:
         print_result(res)
+    if res.url is not None and not json_out:
+        out.print(f"pushed to [bold]{res.url}[/]")
 
 
 def result_json(res: MergeResult) -> dict[str, Any]:
@@ -149,7 +156,7 @@ def result_json(res: MergeResult) -> dict[str, Any]:
     return {"output": str(res.output), "method": res.method, "agents": agent_rows(res),
             "seconds": round(res.seconds, 3), "read_bytes": res.read_bytes, "write_bytes": res.write_bytes,
             "merged_dtypes": res.merged_dtypes, "warnings": res.warnings,
-            **({"defaults": res.defaults} if res.defaults else {})}
+            **({"defaults": res.defaults} if res.defaults else {}), **({"url": res.url} if res.url else {})}
 
 
 def print_result(res: MergeResult) -> None:

@@ -31,3 +31,7 @@ TokenizerSource = Annotated[str | None, typer.Option(help="the output's tokenize
                                                          "or an AGENT (default: the base's, rows as stored)")]
 ChatTemplate = Annotated[str | None, typer.Option(help="the output's chat template: base (default), auto (the one "
                                                        "most models share), an AGENT, a .jinja FILE, or its text")]
+PushToHub = Annotated[str | None, typer.Option(help="upload the finished output to this Hub repository (ORG/NAME): "
+                                                    "checked before any weight is read, pushed once complete")]
+Private = Annotated[bool, typer.Option(help="--push-to-hub: create the repository private")]
+Revision = Annotated[str | None, typer.Option(help="--push-to-hub: the branch to commit to (created if needed)")]

@@ -52,6 +52,9 @@ def sweep_command(
     batch_size: Annotated[int | None, typer.Option(min=1, help="lm-eval batch size")] = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no live table")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print results.json's ranking as JSON")] = False,
+    push_to_hub: o.PushToHub = None,
+    private: o.Private = False,
+    revision: o.Revision = None,
 ) -> None:
     """Merge every candidate of BASE and AGENTs, score each on --tasks, rank them, keep the best."""
     flags = {"tasks": tasks.split(",") if tasks else None, "limit": limit, "split": split, "lab_view": lab_view,
@@ -79,8 +82,8 @@ def sweep_command(
                     seed=s.get("seed", 0), allow_missing=s.get("allow_missing", False),
                     count_tied_twice=s.get("count_tied_twice", False),
                     settings=scorer.settings() if scorer is not None else {},
-                    on_result=table.add, quiet=quiet or json_out,
-                    **({"block_size": s["block_size"]} if s.get("block_size") else {}))
+                    on_result=table.add, quiet=quiet or json_out, push_to_hub=push_to_hub, private=private,
+                    revision=revision, **({"block_size": s["block_size"]} if s.get("block_size") else {}))
     if json_out:
         out.print_json(json.dumps(_summary(res)))
     elif not quiet:
@@ -151,7 +154,7 @@ def _summary(res: SweepResult) -> dict[str, Any]:
     return {"output": str(res.output), "ranking": [{"label": s.candidate.label, "id": s.candidate.id,
                                                     "scores": s.scores, "average": s.average} for s in res.ranking],
             "pareto": [s.candidate.id for s in res.pareto], "kept": [str(p) for p in res.kept],
-            "statistics_passes": res.statistics_passes, "merge_passes": res.merge_passes,
+            "statistics_passes": res.statistics_passes, "merge_passes": res.merge_passes, "url": res.url,
             "seconds": round(res.seconds, 3)}
 
 
@@ -163,5 +166,7 @@ def _print_summary(res: SweepResult) -> None:
         out.print(f"best: [bold]{best.candidate.label}[/] (average {best.average:.2f})")
     for p in res.kept:
         out.print(f"kept [bold]{p}[/]")
+    if res.url is not None:
+        out.print(f"pushed {res.kept[0]} to [bold]{res.url}[/]")
     if res.output is not None:
         out.print(f"wrote {res.output / 'results.json'} and {res.output / 'report.md'}")

@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError, RLMergeError, raise_all
 from ..io.checkpoint import SIDE_FILES, Checkpoint
+from ..io.hub import push, push_problems
 from ..io.partial import PartialDir, fingerprint, input_identity
 from ..io.tokenizer import GENERATION, TEMPLATE_FILES, TOKENIZER_FILES
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
 from ..methods import MethodSpec
 from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
-from ..report.provenance import model_card, provenance
+from ..report.card import model_card
+from ..report.provenance import provenance
 from ..stats import Statistics
 from . import survival
 from .backends import Run, closing, make_backends
@@ -26,6 +28,7 @@ from .match import Match
 from .passes import merge_pass, statistics_pass
 from .preflight import preflight
 from .progress import Progress
+from .reproduce import Reproduce, reproduce
 from .route import Route, route
 
 if TYPE_CHECKING:
@@ -53,6 +56,7 @@ class MergeResult:
     merged_dtypes: list[str] = field(default_factory=list)  # what the merged tensors were written in
     defaults: list[str] = field(default_factory=list)  # mergekit defaults a recipe took, in words
     per_tensor: dict[str, str] = field(default_factory=dict)  # parameters a recipe gave per tensor, in words
+    url: str | None = None  # where --push-to-hub put it
 
 
 def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str],
@@ -62,7 +66,8 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           quiet: bool = True, recipe: Mapping[str, Any] | None = None, resume: bool = False,
           fsync: bool = True, cache: StatsCache | None = None, defaults: Sequence[str] = (),
           notes: Sequence[str] = (), tokenizer_source: str | None = None,
-          chat_template: str | None = None) -> MergeResult:
+          chat_template: str | None = None, push_to_hub: str | None = None, private: bool = False,
+          revision: str | None = None) -> MergeResult:
     """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
 
     >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
@@ -78,7 +83,9 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     ``defaults`` and ``notes``: what a recipe's translation said (mergekit's defaults it applied, what it ignores),
     written to rlmerge.json and the model card. ``tokenizer_source`` (None, ``base``, ``union`` or an agent) and
     ``chat_template`` (``base``, ``auto``, an agent, a file or the template's text): the output's tokenizer, with
-    mergekit's meaning (io/tokenizer_plan.py).
+    mergekit's meaning (io/tokenizer_plan.py). ``push_to_hub``: a Hub repository the finished output is uploaded
+    to (``private``, a branch ``revision``): checked before any weight is read, pushed only once the output is
+    complete (io/hub.py); ``MergeResult.url`` says where.
     """
     t0 = time.perf_counter()
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
@@ -86,18 +93,26 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
                    count_tied_twice=count_tied_twice, seed=seed, tokenizer_source=tokenizer_source,
                    chat_template=chat_template)
     try:
+        if push_to_hub is not None:
+            pf.problems += push_problems(push_to_hub, revision=revision)
         raise_all(pf.problems)
         assert pf.match is not None and pf.spec is not None  # no problems: every stage ran
         check_copies(pf.match)  # reads the copied tensors only, before anything is written
         extras = [x for x in pf.extras if x is not None]
+        again = reproduce(pf, base, agents, given=params, recipe=recipe, dtype=dtype, seed=seed,
+                          allow_missing=allow_missing, count_tied_twice=count_tied_twice,
+                          tokenizer_source=tokenizer_source, chat_template=chat_template)
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
             result = _run(pf.match, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,
                           block_size=pf.block_size, device=device, seed=seed, quiet=quiet, recipe=recipe,
                           extras=extras, fsync=fsync, cache=cache.view(pf.match, extras) if cache else None,
                           at=pf.at, schedule=pf.parsed.schedule if pf.parsed else {}, defaults=list(defaults),
-                          notes=list(notes))
+                          notes=list(notes), again=again)
     finally:
         pf.close()
+    if push_to_hub is not None:  # the output is published (renamed into place): now, and only now, upload it
+        result.url = push(result.output, push_to_hub, private=private, revision=revision,
+                          message=f"Upload a {result.method} merge made with rlmerge")
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -106,7 +121,8 @@ def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_b
          device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
          extras: list[Checkpoint] | None = None, fsync: bool = True, cache: CacheView | None = None,
          at: Callable[[str], Any] | None = None, schedule: Mapping[str, Any] | None = None,
-         defaults: list[str] | None = None, notes: list[str] | None = None) -> MergeResult:
+         defaults: list[str] | None = None, notes: list[str] | None = None,
+         again: Reproduce | None = None) -> MergeResult:
     extras = extras or []
     metadata, fp = output_fingerprint(match, spec, p, seed=seed, recipe=recipe, device=device,
                                       shard_bytes=shard_bytes, extras=extras, schedule=schedule)
@@ -118,7 +134,7 @@ def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_b
 
     return execute(match, spec, p, writer, output=partial.output, block_size=block_size, device=device, seed=seed,
                    quiet=quiet, recipe=recipe, extras=extras, cache=cache, at=at, schedule=schedule,
-                   defaults=defaults, notes=notes)
+                   defaults=defaults, notes=notes, again=again)
 
 
 def output_fingerprint(match: Match, spec: MethodSpec, p: Any, *, seed: int, recipe: Mapping[str, Any] | None,
@@ -142,12 +158,14 @@ def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool]
             block_size: int, device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
             extras: Sequence[Checkpoint] = (), cache: CacheView | None = None,
             at: Callable[[str], Any] | None = None, schedule: Mapping[str, Any] | None = None,
-            defaults: Sequence[str] | None = None, notes: Sequence[str] | None = None) -> MergeResult:
+            defaults: Sequence[str] | None = None, notes: Sequence[str] | None = None,
+            again: Reproduce | None = None) -> MergeResult:
     """One merge, into the writer ``make_writer(background)`` returns: ``CheckpointWriter`` (shards in a partial
     folder) or ``io.memory.MemoryWriter`` (a sweep's candidate, a state dict). ``cache``: statistics an earlier
     merge of the same inputs gathered (a sweep's); what it covers is not read again, and what this merge
     gathers is added to it. ``at``/``schedule``: a recipe's per-tensor parameters (the cache is not used with
-    them); ``defaults``/``notes``: what the recipe's translation applied and ignored, for the provenance."""
+    them); ``defaults``/``notes``: what the recipe's translation applied and ignored, for the provenance; ``again``:
+    the recipe that reproduces the merge, for the model card."""
     extras = list(extras)
     if at is not None:
         cache = None  # the cache is keyed by one set of parameters
@@ -190,7 +208,7 @@ def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool]
         if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
             result.warnings += stats.identical_agents()
         rescale_survival(result, match, writer.annotations())
-        finish_output(writer, match, result, recipe)
+        finish_output(writer, match, result, recipe, again)
     result.read_bytes, result.write_bytes = run.read_bytes, match.write_bytes
     return result
 
@@ -219,7 +237,8 @@ def rescale_survival(result: MergeResult, match: Match, notes: Mapping[str, Any]
     result.warnings += survival.warnings([a.label for a in match.agents], counts, match.merged_dtypes)
 
 
-def finish_output(writer: Any, match: Match, result: MergeResult, recipe: Mapping[str, Any] | None) -> None:
+def finish_output(writer: Any, match: Match, result: MergeResult, recipe: Mapping[str, Any] | None,
+                  again: Reproduce | None = None) -> None:
     """After the last tensor: side files, the report and model card, then the writer's ``finish`` (the index,
     ``rlmerge.json``, the rename onto the output)."""
     result.merged_dtypes = match.merged_dtypes
@@ -227,7 +246,7 @@ def finish_output(writer: Any, match: Match, result: MergeResult, recipe: Mappin
     # The statistics this merge already collected feed the report: no extra pass.
     doc = build_report(result.statistics, dtype_facts(match), base=match.base.label, warnings=result.warnings)
     writer.write_text(REPORT_FILE, to_json(doc))
-    writer.write_text("README.md", model_card(match, result) + "\n" + to_markdown(doc, level=2))
+    writer.write_text("README.md", model_card(match, result, reproduce=again) + "\n" + to_markdown(doc, level=2))
     writer.finish(provenance(match, result, recipe))
 
 

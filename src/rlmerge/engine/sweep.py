@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from .._version import __version__
 from ..errors import ConfigError, OutputError, RLMergeError, raise_all
+from ..io.hub import push, push_problems
 from ..io.sweepdir import SweepDir
 from ..report.sweep import pareto, render_report
 from .blocks import DEFAULT_BLOCK, device_type
@@ -52,6 +53,7 @@ class SweepResult:
     output: Path | None = None
     seconds: float = 0.0
     cache_hits: dict[str, int] = field(default_factory=dict)
+    url: str | None = None  # where --push-to-hub put the best candidate
 
     @property
     def statistics_passes(self) -> int:
@@ -68,7 +70,8 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           backend: Backend = "local", workers: int | None = None, memory: Memory = "auto", dtype: str | None = None,
           block_size: int = DEFAULT_BLOCK, device: str = "cpu", seed: int = 0, allow_missing: bool = False,
           count_tied_twice: bool = False, settings: Mapping[str, Any] | None = None, cache: StatsCache | None = None,
-          on_result: Callable[[Scored], None] | None = None, quiet: bool = True) -> SweepResult:
+          on_result: Callable[[Scored], None] | None = None, quiet: bool = True, push_to_hub: str | None = None,
+          private: bool = False, revision: str | None = None) -> SweepResult:
     """Merge and score every candidate; see the module docstring.
 
     ``output`` None: nothing is written (the Python API's grid search; a candidate too large for memory goes to a
@@ -83,6 +86,9 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     if keep < 0 or (keep and output is None):
         problems.append(ConfigError(f"keep = {keep}: the best candidates are kept only in a sweep folder (-o)"
                                     if keep else f"keep = {keep} must be ≥ 0"))
+    if push_to_hub is not None:
+        problems += push_problems(push_to_hub, revision=revision) if keep >= 1 else [
+            ConfigError("--push-to-hub uploads the best kept candidate: give --keep 1 (or more)")]
     if memory not in ("auto", "always", "never") or backend not in ("local", "ray"):
         problems.append(ConfigError(f"memory = {memory!r}, backend = {backend!r}",
                                     hint="memory: auto, always or never; backend: local or ray"))
@@ -124,6 +130,10 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
             result = _summary(ordered, doc, output=folder.path if folder is not None else None)
             if folder is not None:
                 result.kept = _keep(folder, ctx, result, doc, cache, keep, quiet=quiet)
+                if push_to_hub is not None and result.kept:  # written and proven: now upload the best
+                    result.url = push(result.kept[0], push_to_hub, private=private, revision=revision,
+                                      message=f"Upload the best candidate of an rlmerge sweep "
+                                              f"({result.ranking[0].candidate.label})")
                 folder.write(RESULTS, _dump(doc))
                 for name, data in render_report(doc).items():
                     folder.write(name, data)
