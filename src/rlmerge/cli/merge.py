@@ -112,13 +112,20 @@ def merge_command(
     push_to_hub: o.PushToHub = None,
     private: o.Private = False,
     revision: o.Revision = None,
+    output_format: Annotated[str | None, typer.Option(help="hf (a full model, default) or peft (the merged task "
+                                                           "vector as a LoRA adapter of the base)")] = None,
+    rank: Annotated[str | None, typer.Option(help="--output-format peft: the LoRA rank, R, full (exact) or "
+                                                  "energy=0.99 (per matrix, the share of ‖Δ‖² kept)")] = None,
+    non_linear: Annotated[str | None, typer.Option(help="--output-format peft: save (changed norms, embeddings and "
+                                                        "biases go into modules_to_save, default) or refuse")] = None,
 ) -> None:
-    """Merge AGENTs (RL fine-tunes of BASE) into one Hugging Face checkpoint."""
+    """Merge AGENTs (RL fine-tunes of BASE) into one Hugging Face checkpoint (or a LoRA adapter of BASE)."""
     req = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
                  rescale_factor=rescale_factor, epsilon=eps, scaling=scaling)
     options = dict(req.options)
     run = {"shard_size": shard_size, "block_size": block_size, "device": device, "seed": seed,
-           "tokenizer_source": tokenizer_source, "chat_template": chat_template}
+           "tokenizer_source": tokenizer_source, "chat_template": chat_template, "output_format": output_format,
+           "rank": rank, "non_linear": non_linear}
     options.update({k: v for k, v in run.items() if v is not None})
     options["allow_missing"] = allow_missing or options.get("allow_missing", False)
     options["count_tied_twice"] = count_tied_twice or options.get("count_tied_twice", False)
@@ -126,7 +133,7 @@ def merge_command(
         print_notes(req)
     run_merge = merge
     if backend == "ray":
-        local_only = [k for k in ("tokenizer_source", "chat_template") if options.get(k) is not None]
+        local_only = [k for k in ("tokenizer_source", "chat_template", "output_format") if options.get(k) is not None]
         local_only += ["push_to_hub"] if push_to_hub else []
         if local_only:
             raise ConfigError(f"{local_only[0]} runs on the local backend only", hint="merge without --backend ray")
@@ -146,6 +153,12 @@ def merge_command(
         out.print_json(json.dumps(result_json(res)))
     elif not quiet:
         print_result(res)
+    if res.adapter is not None and not (quiet or json_out):
+        mats = res.adapter["matrices"]
+        ranks = [m["rank"] for m in mats.values()]
+        out.print(f"LoRA adapter: {len(mats)} matrices, rank {min(ranks, default=0)}–{max(ranks, default=0)} "
+                  f"(--rank {res.adapter['rank']}), largest relative error {res.adapter['max_relative_error']:.3g}; "
+                  f"saved whole: {', '.join(res.adapter['modules_to_save']) or 'none'}")
     if res.url is not None and not json_out:
         out.print(f"pushed to [bold]{res.url}[/]")
 
@@ -156,7 +169,8 @@ def result_json(res: MergeResult) -> dict[str, Any]:
     return {"output": str(res.output), "method": res.method, "agents": agent_rows(res),
             "seconds": round(res.seconds, 3), "read_bytes": res.read_bytes, "write_bytes": res.write_bytes,
             "merged_dtypes": res.merged_dtypes, "warnings": res.warnings,
-            **({"defaults": res.defaults} if res.defaults else {}), **({"url": res.url} if res.url else {})}
+            **({"defaults": res.defaults} if res.defaults else {}), **({"url": res.url} if res.url else {}),
+            **({"adapter": res.adapter} if res.adapter else {})}
 
 
 def print_result(res: MergeResult) -> None:

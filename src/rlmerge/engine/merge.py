@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InputError, RLMergeError, raise_all
+from ..errors import ConfigError, InputError, RLMergeError, raise_all
 from ..io.checkpoint import SIDE_FILES, Checkpoint
 from ..io.hub import push, push_problems
 from ..io.partial import PartialDir, fingerprint, input_identity
@@ -18,10 +18,11 @@ from ..io.tokenizer import GENERATION, TEMPLATE_FILES, TOKENIZER_FILES
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
 from ..methods import MethodSpec
 from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
-from ..report.card import model_card
+from ..report.card import adapter_lines, model_card
 from ..report.provenance import provenance
 from ..stats import Statistics
 from . import survival
+from .adapter import AdapterOptions, AdapterWriter, adapter_writer
 from .backends import Run, closing, make_backends
 from .blocks import DEFAULT_BLOCK, device_type, spans
 from .match import Match
@@ -57,6 +58,7 @@ class MergeResult:
     defaults: list[str] = field(default_factory=list)  # mergekit defaults a recipe took, in words
     per_tensor: dict[str, str] = field(default_factory=dict)  # parameters a recipe gave per tensor, in words
     url: str | None = None  # where --push-to-hub put it
+    adapter: dict[str, Any] | None = None  # --output-format peft: the ranks kept and the errors (AdapterWriter)
 
 
 def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str],
@@ -67,7 +69,8 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           fsync: bool = True, cache: StatsCache | None = None, defaults: Sequence[str] = (),
           notes: Sequence[str] = (), tokenizer_source: str | None = None,
           chat_template: str | None = None, push_to_hub: str | None = None, private: bool = False,
-          revision: str | None = None) -> MergeResult:
+          revision: str | None = None, output_format: str = "hf", rank: Any = "full",
+          non_linear: str = "save") -> MergeResult:
     """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
 
     >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
@@ -85,14 +88,26 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     ``chat_template`` (``base``, ``auto``, an agent, a file or the template's text): the output's tokenizer, with
     mergekit's meaning (io/tokenizer_plan.py). ``push_to_hub``: a Hub repository the finished output is uploaded
     to (``private``, a branch ``revision``): checked before any weight is read, pushed only once the output is
-    complete (io/hub.py); ``MergeResult.url`` says where.
+    complete (io/hub.py); ``MergeResult.url`` says where. ``output_format="peft"``: the merged task vector as a
+    LoRA adapter of the base (engine/adapter.py: ``rank`` R, ``"full"`` or ``"energy=F"``; ``non_linear`` ``"save"``
+    puts changed norms, embeddings and biases into modules_to_save, ``"refuse"`` refuses them);
+    ``MergeResult.adapter`` is each matrix's kept rank and relative error.
     """
     t0 = time.perf_counter()
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
                    block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
                    count_tied_twice=count_tied_twice, seed=seed, tokenizer_source=tokenizer_source,
-                   chat_template=chat_template)
+                   chat_template=chat_template, output_format=output_format)
+    adapter = None
     try:
+        if output_format == "peft":
+            try:
+                adapter = AdapterOptions.parse(rank, non_linear)
+            except RLMergeError as e:
+                pf.problems.append(e)
+            if resume:
+                pf.problems.append(ConfigError("--resume continues a sharded model; an adapter is written in one "
+                                               "go", hint="run again without --resume (or with --force)"))
         if push_to_hub is not None:
             pf.problems += push_problems(push_to_hub, revision=revision)
         raise_all(pf.problems)
@@ -101,13 +116,16 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
         extras = [x for x in pf.extras if x is not None]
         again = reproduce(pf, base, agents, given=params, recipe=recipe, dtype=dtype, seed=seed,
                           allow_missing=allow_missing, count_tied_twice=count_tied_twice,
-                          tokenizer_source=tokenizer_source, chat_template=chat_template)
+                          tokenizer_source=tokenizer_source, chat_template=chat_template,
+                          output_format=output_format, rank=str(adapter.ranks) if adapter else None,
+                          non_linear=non_linear if adapter else None)
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
             result = _run(pf.match, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,
                           block_size=pf.block_size, device=device, seed=seed, quiet=quiet, recipe=recipe,
                           extras=extras, fsync=fsync, cache=cache.view(pf.match, extras) if cache else None,
                           at=pf.at, schedule=pf.parsed.schedule if pf.parsed else {}, defaults=list(defaults),
-                          notes=list(notes), again=again)
+                          notes=list(notes), again=again,
+                          adapter=(adapter, pf.out_dtypes) if adapter is not None else None)
     finally:
         pf.close()
     if push_to_hub is not None:  # the output is published (renamed into place): now, and only now, upload it
@@ -122,12 +140,14 @@ def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_b
          extras: list[Checkpoint] | None = None, fsync: bool = True, cache: CacheView | None = None,
          at: Callable[[str], Any] | None = None, schedule: Mapping[str, Any] | None = None,
          defaults: list[str] | None = None, notes: list[str] | None = None,
-         again: Reproduce | None = None) -> MergeResult:
+         again: Reproduce | None = None, adapter: tuple[AdapterOptions, Any] | None = None) -> MergeResult:
     extras = extras or []
     metadata, fp = output_fingerprint(match, spec, p, seed=seed, recipe=recipe, device=device,
                                       shard_bytes=shard_bytes, extras=extras, schedule=schedule)
 
-    def writer(background: bool) -> CheckpointWriter:
+    def writer(background: bool) -> CheckpointWriter | AdapterWriter:
+        if adapter is not None:  # --output-format peft: the task vector as LoRA factors, one matrix at a time
+            return adapter_writer(partial, match, adapter[0], adapter[1], fingerprint=fp, fsync=fsync)
         return CheckpointWriter(partial, match.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp,
                                 fsync=fsync, identity=input_identity([match.base, *match.agents, *extras]),
                                 background=background)
@@ -242,11 +262,15 @@ def finish_output(writer: Any, match: Match, result: MergeResult, recipe: Mappin
     """After the last tensor: side files, the report and model card, then the writer's ``finish`` (the index,
     ``rlmerge.json``, the rename onto the output)."""
     result.merged_dtypes = match.merged_dtypes
-    _side_files(match.base, writer, match)
+    if isinstance(writer, AdapterWriter):  # its factors are all written: its report is complete
+        writer.complete()
+        result.adapter = writer.summary()
+    _side_files(match.base, writer, match, model=result.adapter is None)
     # The statistics this merge already collected feed the report: no extra pass.
     doc = build_report(result.statistics, dtype_facts(match), base=match.base.label, warnings=result.warnings)
     writer.write_text(REPORT_FILE, to_json(doc))
-    writer.write_text("README.md", model_card(match, result, reproduce=again) + "\n" + to_markdown(doc, level=2))
+    card = model_card(match, result, reproduce=again, adapter=result.adapter, extra=adapter_lines(result.adapter))
+    writer.write_text("README.md", card + "\n" + to_markdown(doc, level=2))
     writer.finish(provenance(match, result, recipe))
 
 
@@ -287,12 +311,15 @@ def check_copies(match: Match) -> None:
     raise_all(problems)
 
 
-def _side_files(base: Checkpoint, writer: CheckpointWriter, match: Match) -> None:
+def _side_files(base: Checkpoint, writer: Any, match: Match, *, model: bool = True) -> None:
     """config.json and the base's other side files; the tokenizer, chat-template and generation files the tokenizer
-    plan chose (io/tokenizer_plan.py: the base's unless asked otherwise)."""
+    plan chose (io/tokenizer_plan.py: the base's unless asked otherwise). An adapter (``model=False``) gets the
+    tokenizer files only: a config.json would make its folder look like a model without weights."""
     chosen = match.tokenizer.files if match.tokenizer is not None else None
     for name in SIDE_FILES:
         src = base.side_dir / name
+        if not model and name not in TOKENIZER_FILES and name not in TEMPLATE_FILES:
+            continue
         if name == "config.json":
             if src.is_file():
                 writer.write_text(name, _config_with_dtype(base.config, match))

@@ -27,6 +27,7 @@ from ..methods import MethodSpec, get_method, validate
 from ..methods.spec import Parsed
 from ..schedule import layer_positions
 from . import budget
+from .adapter import widen_to_f32
 from .blocks import DEFAULT_BLOCK, device_type
 from .budget import MemoryEstimate, check_memory, estimate_memory
 from .fast import compute_threads
@@ -89,6 +90,7 @@ class Preflight:
     match: Match | None = None
     route: Route | None = None
     tokenizer: TokenizerPlan | None = None  # the output's tokenizer, template and vocabulary rows
+    out_dtypes: dict[str, DType] | None = None  # --output-format peft: what each tensor would be written in
     memory: MemoryEstimate | None = None
     available: int | None = None
     problems: list[RLMergeError] = field(default_factory=list)
@@ -108,11 +110,12 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
               block_size: Any = 1 << 22, device: str = "cpu", force: bool = False, resume: bool = False,
               allow_missing: bool = False, count_tied_twice: bool = False, seed: Any = 0,
               available: int | None = None, tokenizer_source: str | None = None,
-              chat_template: str | None = None) -> Preflight:
+              chat_template: str | None = None, output_format: str = "hf") -> Preflight:
     """Check a merge from headers only; every problem is collected in ``Preflight.problems``.
 
     ``tokenizer_source`` / ``chat_template``: the output's tokenizer and chat template (io/tokenizer_plan.py); when
-    the vocabulary rows move, the models are matched through ``io.vocab.VocabView``s of them."""
+    the vocabulary rows move, the models are matched through ``io.vocab.VocabView``s of them. ``output_format``
+    ``peft``: the merged tensors are computed into float32 for the adapter writer (engine/adapter.py)."""
     pf = Preflight()
     problems = pf.problems
     for fn in (lambda: _method(pf, method, params), lambda: setattr(pf, "out_dtype", parse_dtype(dtype)),
@@ -157,6 +160,12 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
                                 count_tied_twice=count_tied_twice, at_least=F32 if widen else None)
         pf.match.tokenizer = pf.tokenizer
         pf.match.warnings += pf.tokenizer.warnings
+        if output_format == "peft":
+            pf.out_dtypes, found = widen_to_f32(pf.match)
+            problems += found
+        elif output_format != "hf":
+            problems.append(ConfigError(f"--output-format {output_format!r}", hint="hf (a full model) or peft "
+                                                                                 "(a LoRA adapter of the base)"))
         if all(pf.extras):
             check_side_inputs(pf.match, pf.extras)  # type: ignore[arg-type]
     except RLMergeError as e:

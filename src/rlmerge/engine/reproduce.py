@@ -90,6 +90,8 @@ def reproduce(pf: Preflight, base: Any, agents: Sequence[Any], *, given: Mapping
     dtype, seed, allow_missing, count_tied_twice, tokenizer_source and chat_template as it was called."""
     assert pf.spec is not None and pf.params is not None
     base, agents, given = str(base), [str(a) for a in agents], dict(given or {})
+    if settings.get("output_format", "hf") != "hf":  # a recipe has no key for it: the command says it
+        return Reproduce("command", _command(pf, base, agents, given, settings))
     top, options = _run_keys(settings, pf)
     candidates: list[dict[str, Any]] = []
     if recipe is not None and "sweep" not in recipe:
@@ -117,8 +119,8 @@ def _command(pf: Preflight, base: str, agents: Sequence[str], given: Mapping[str
     for k, v in given.items():
         value = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v
         words += ["--param", f"{k}={value}"]
-    for key in ("dtype", "seed", "tokenizer_source", "chat_template"):
-        if settings.get(key) is not None:
+    for key in ("dtype", "seed", "tokenizer_source", "chat_template", "output_format", "rank", "non_linear"):
+        if settings.get(key) not in (None, 0):  # seed 0 is the default
             words += [f"--{key.replace('_', '-')}", str(settings[key])]
     for key in ("allow_missing", "count_tied_twice"):
         if settings.get(key):

@@ -81,6 +81,21 @@ def _table(result: MergeResult) -> list[str]:
     return lines
 
 
+def adapter_lines(summary: Mapping[str, Any] | None) -> list[str]:
+    """The adapter's section: each linear layer's kept rank and relative error (the SVD tail ‖Δ − BA‖_F / ‖Δ‖_F)."""
+    if summary is None:
+        return []
+    mats = summary["matrices"]
+    lines = ["## LoRA adapter", "",
+             f"The merged task vector Δ = merged − base of each linear layer, as B·A of the rank asked "
+             f"(`--rank {summary['rank']}`): {len(mats)} matrices, {summary['parameters']:,} parameters, largest "
+             f"relative error {summary['max_relative_error']:.3g}. Saved whole (modules_to_save): "
+             + (", ".join(f"`{m}`" for m in summary["modules_to_save"]) or "none") + ".", "",
+             "| matrix | rank kept | of | relative error |", "|---|---:|---:|---:|"]
+    lines += [f"| {n} | {m['rank']} | {m['of']} | {m['relative_error']:.3g} |" for n, m in mats.items()]
+    return [*lines, ""]
+
+
 def model_card(match: Match, result: MergeResult, *, reproduce: Reproduce | None = None,
                adapter: Mapping[str, Any] | None = None, extra: Sequence[str] = ()) -> str:
     """The card's text: metadata, then the body (``extra``: more Markdown before the warnings)."""
