@@ -19,7 +19,8 @@ and nothing else: on a CPU without AVX2, or an ARM one, expect those hashes, and
 
 After a change that is MEANT to change output bytes, regenerate (and say why in the commit):
 
-    .venv/bin/python tests/test_golden.py            # rewrites tests/golden/outputs.json
+    NUMBA_CPU_NAME=haswell .venv/bin/python tests/test_golden.py   # rewrites tests/golden/outputs.json
+    (haswell: the target the recorded fused-path reports were compiled for; a CPU's own target may differ there)
     .venv/bin/python tests/test_golden.py OTHER.json  # writes elsewhere (e.g. to compare two runs)
 """
 
