@@ -19,7 +19,7 @@ import yaml
 import rlmerge
 from conftest import MERGEKIT_PY, TINY, load_output, run_mergekit
 from rlmerge.cli import main as cli_main
-from rlmerge.errors import ConfigError, InputError, ProblemsError
+from rlmerge.errors import ConfigError, InputError, ProblemsError, RLMergeError
 from rlmerge.synthetic import Shape, config, make_example, perturb, random_base, write_checkpoint
 
 EMBED = "model.embed_tokens.weight"
@@ -322,11 +322,12 @@ def test_bad_choices_are_refused_before_any_weight_is_read(models, tmp_path: Pat
 def test_a_lora_agent_is_refused_when_the_rows_move(models, tmp_path: Path) -> None:
     """A LoRA adapter's τ is laid out on the base's rows: with union moving them, it is refused with what to do (the
     adapter here is rlmerge's own --output-format peft of an agent with the base's vocabulary)."""
-    plain = write_checkpoint(tmp_path / "plain", perturb(load_output(models["base"]), 0.2, seed=5, dtype=torch.float32),
-                             json.loads((models["base"] / "config.json").read_text()))
+    base = load_output(models["base"])
+    moved = {**perturb(base, 0.2, seed=5, dtype=torch.float32), EMBED: base[EMBED]}  # the embedding as the base's
+    plain = write_checkpoint(tmp_path / "plain", moved, json.loads((models["base"] / "config.json").read_text()))
     rlmerge.merge(models["base"], [plain], tmp_path / "adapter", method="task_arithmetic", output_format="peft",
                   rank="4")
-    with pytest.raises(InputError, match="is a LoRA adapter, whose τ is laid out on the base's rows"):
+    with pytest.raises(RLMergeError, match="is a LoRA adapter, whose τ is laid out on the base's rows"):
         rlmerge.merge(models["base"], [models["tools"], tmp_path / "adapter"], tmp_path / "o",
                       tokenizer_source="union")
     rlmerge.merge(models["base"], [plain, tmp_path / "adapter"], tmp_path / "same", tokenizer_source="union")

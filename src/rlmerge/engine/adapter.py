@@ -25,7 +25,6 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,8 +36,10 @@ from ..errors import ConfigError, InputError
 from ..io.adapter import ADAPTER_CONFIG, AdapterFile, header_room
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import F32, DType
+from ..io.memory import Immediate
 from ..io.partial import PartialDir
 from ..io.vocab import VOCAB_SUFFIXES
+from ..io.writer import SideFiles
 from .match import Job
 
 PREFIX = "base_model.model."
@@ -115,7 +116,7 @@ class Factored:
 
 
 @dataclass
-class AdapterWriter:
+class AdapterWriter(Immediate, SideFiles):
     """Writes the adapter into a claimed ``PartialDir`` (the module docstring); ``summary()`` is the report."""
 
     partial: PartialDir
@@ -130,7 +131,6 @@ class AdapterWriter:
     fan_in_fan_out: bool = False  # GPT-2's Conv1D stores [in, out]
     fsync: bool = True
     fingerprint: str = ""
-    resumed: int = 0
     matrices: dict[str, Factored] = field(default_factory=dict)
     saved: dict[str, str] = field(default_factory=dict)  # tensor → key in the file
     notes: dict[str, Any] = field(default_factory=dict)
@@ -174,15 +174,6 @@ class AdapterWriter:
     def __exit__(self, *exc: Any) -> None:
         self._file.__exit__(*exc)
 
-    def pending(self, jobs: Sequence[Job]) -> list[Job]:
-        return list(jobs)
-
-    def annotate(self, name: str, value: Any) -> None:
-        self.notes[name] = value
-
-    def annotations(self) -> dict[str, Any]:
-        return dict(self.notes)
-
     def start(self, job: Job) -> None:
         self._end_tensor()
         self._job, self._pos, self._changed = job, 0, False
@@ -211,27 +202,6 @@ class AdapterWriter:
             out = values.to(self.out_dtypes[job.name].torch)
             self._file.write(memoryview(out.view(torch.uint8).numpy()))
         self._pos = hi
-
-    def write_later(self, data: memoryview) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self.write_now(data)
-        fut.set_result(None)
-        return fut
-
-    def drain(self) -> None:
-        pass
-
-    def write_text(self, name: str, text: str) -> None:
-        self.partial.write_bytes(name, text.encode())
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        self.partial.write_bytes(name, data)
-
-    def copy_file(self, src: Path) -> None:
-        try:
-            self.partial.write_bytes(src.name, src.read_bytes())
-        except OSError as e:
-            raise InputError(f"cannot read: {e.strerror}", file=str(src)) from e
 
     # -- each tensor, once complete ----------------------------------------------------------------------------
     def _end_tensor(self) -> None:

@@ -117,7 +117,8 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
         again = reproduce(pf, base, agents, given=params, recipe=recipe, dtype=dtype, seed=seed,
                           allow_missing=allow_missing, count_tied_twice=count_tied_twice,
                           tokenizer_source=tokenizer_source, chat_template=chat_template,
-                          output_format=output_format, rank=str(adapter.ranks) if adapter else None,
+                          output_format=output_format if adapter else None,
+                          rank=str(adapter.ranks) if adapter else None,
                           non_linear=non_linear if adapter else None)
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
             result = _run(pf.match, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,

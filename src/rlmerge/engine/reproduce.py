@@ -90,7 +90,7 @@ def reproduce(pf: Preflight, base: Any, agents: Sequence[Any], *, given: Mapping
     dtype, seed, allow_missing, count_tied_twice, tokenizer_source and chat_template as it was called."""
     assert pf.spec is not None and pf.params is not None
     base, agents, given = str(base), [str(a) for a in agents], dict(given or {})
-    if settings.get("output_format", "hf") != "hf":  # a recipe has no key for it: the command says it
+    if settings.get("output_format") not in (None, "hf"):  # a recipe has no key for it: the command says it
         return Reproduce("command", _command(pf, base, agents, given, settings))
     top, options = _run_keys(settings, pf)
     candidates: list[dict[str, Any]] = []

@@ -170,10 +170,10 @@ def _rows(plan: TokenizerPlan, base: Checkpoint, agents: list[Checkpoint], toks:
     rows = RowPlan(n_rows, sources, models)
     if all(rows.identity(m, c) for m, c in enumerate(counts) if c is not None):
         return []  # every model stores the output's rows as they are: nothing to remap
-    lora = [m.label for m in agents if not m.stored_bytes]
+    lora = [m for m in agents if not m.stored_bytes]
     if lora:
-        return [InputError(f"the vocabulary rows move (tokenizer_source {source}) and agent {lora[0]} is a LoRA "
-                           "adapter, whose τ is laid out on the base's rows", file=str(agents[0].path),
+        return [InputError(f"the vocabulary rows move (tokenizer_source {source}) and agent {lora[0].label} is a "
+                           "LoRA adapter, whose τ is laid out on the base's rows", file=str(lora[0].path),
                            hint="merge the adapter into a full model first (PEFT's merge_and_unload) and pass "
                                 "that, or leave tokenizer_source unset")]
     plan.rows = rows
