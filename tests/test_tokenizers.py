@@ -331,3 +331,14 @@ def test_a_lora_agent_is_refused_when_the_rows_move(models, tmp_path: Path) -> N
         rlmerge.merge(models["base"], [models["tools"], tmp_path / "adapter"], tmp_path / "o",
                       tokenizer_source="union")
     rlmerge.merge(models["base"], [plain, tmp_path / "adapter"], tmp_path / "same", tokenizer_source="union")
+
+
+def test_an_agents_corrupt_tokenizer_is_said_not_fatal_unless_it_is_used(example, tmp_path: Path) -> None:
+    base, agents = example
+    (agents[2] / "tokenizer.json").write_text("{not json")
+    res = rlmerge.merge(base, agents, tmp_path / "o", method="ram")
+    said = [w for w in res.warnings if "were not compared" in w]
+    assert len(said) == 1 and str(agents[2] / "tokenizer.json") in said[0]
+    assert json.loads((tmp_path / "o" / "rlmerge.json").read_text())["tokenizer"]["not_compared"] == [str(agents[2])]
+    with pytest.raises(InputError, match="cannot parse tokenizer.json"):
+        rlmerge.merge(base, agents, tmp_path / "p", method="ram", tokenizer_source=str(agents[2]))

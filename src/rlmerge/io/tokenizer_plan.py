@@ -91,13 +91,6 @@ def plan_tokenizer(base: Checkpoint, agents: list[Checkpoint], *, source: str | 
                    chat_template: str | None = None) -> tuple[TokenizerPlan, list[RLMergeError]]:
     """The output's tokenizer (see the module docstring) and every problem with the choices."""
     problems: list[RLMergeError] = []
-    toks: list[Tokenizer] = []
-    for m in (base, *agents):
-        try:
-            toks.append(read_tokenizer(m))
-        except RLMergeError as e:
-            problems.append(e)
-            toks.append(Tokenizer(m.side_dir))
     pick = None
     if source is not None and source not in SOURCES:
         pick = pick_agent(source, agents)
@@ -106,8 +99,19 @@ def plan_tokenizer(base: Checkpoint, agents: list[Checkpoint], *, source: str | 
                                         hint="give base, union, or an agent as listed (or its folder's name)"))
     plan = TokenizerPlan(source="base (rows as stored)" if source is None else
                          agents[pick].label if pick is not None else source, chat_template="base")
+    toks: list[Tokenizer] = []
+    for i, m in enumerate((base, *agents)):
+        try:
+            toks.append(read_tokenizer(m))
+        except RLMergeError as e:  # the output's own tokenizer must be read; another agent's is only compared
+            toks.append(Tokenizer(m.side_dir))
+            if i == 0 or i - 1 == pick or source == "union" or chat_template not in (None, "base"):
+                problems.append(e)
+            else:
+                plan.warnings.append(f"agent {m.label}'s tokenizer files were not compared: {e.render()}")
+                plan.not_compared.append(m.label)
     for a, tok in zip(agents, toks[1:]):
-        if not tok.has_tokenizer:
+        if not tok.has_tokenizer and a.label not in plan.not_compared:
             plan.not_compared.append(a.label)
         found = differences(toks[0], tok)
         plan.differences += [{"agent": a.label, "file": f, "what": w} for f, w in found]
