@@ -226,6 +226,26 @@ def test_cli_lab_view_chat_scores_as_the_lab_scores_an_instruct_model(tmp_path: 
                  "--tasks", "lab:coding", "--lab-view", "voice"]) == 2
 
 
+def test_cli_coding_scores_are_refused_before_any_merge_where_code_cannot_be_isolated(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from rlmerge.cli import main
+    from rlmerge.sandbox import BWRAP_ENV, UNSAFE_ENV
+
+    base, agents = lab_checkpoints(tmp_path / "in")
+    monkeypatch.setenv(BWRAP_ENV, str(tmp_path / "no-such-bwrap"))  # as on a machine without bubblewrap
+    monkeypatch.setenv(UNSAFE_ENV, "0")  # (restored after the test: the flag sets it for the whole process)
+    args = ["sweep", str(base), *map(str, agents), "--candidate", "task_arithmetic scaling=1", "--tasks",
+            "lab:memory,lab:coding", "--limit", "2", "-q"]
+    assert main([*args, "-o", str(tmp_path / "refused")]) == 2
+    assert "apt-get install bubblewrap" in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "refused").exists()  # refused before anything was merged or written
+    with pytest.warns(RuntimeWarning, match="WITHOUT isolation"):
+        assert main([*args, "-o", str(tmp_path / "opted-in"), "--unsafe-unisolated-code"]) == 0
+    scores = json.loads((tmp_path / "opted-in" / "results.json").read_text())["candidates"][0]["scores"]
+    assert set(scores) == {"lab:memory", "lab:coding"}
+
+
 def test_long_candidate_labels_are_cut_on_the_plot_only() -> None:
     # Labels with side-input paths are long: whole on the plot's axis they squeezed the bars to nothing
     # (matplotlib: "constrained_layout not applied because axes sizes collapsed to zero").

@@ -53,6 +53,10 @@ class OutputError(RLMergeError):
     exit_code = 4
 
 
+class SandboxUnavailable(ConfigError):
+    """Model-written code would have to run, and this machine cannot isolate it (``rlmerge.sandbox``)."""
+
+
 class Interrupted(RLMergeError):
     """Ctrl-C or SIGTERM stopped a command (the CLI's form of KeyboardInterrupt)."""
 

@@ -98,6 +98,10 @@ class TaskScorer:
             raise ConfigError(f"--split {self.split!r}", hint="val (to choose) or test (to report)")
         if self.kind not in ("word", "chat"):
             raise ConfigError(f"the lab tasks' view {self.kind!r}", hint="word (the tiny lab's models) or chat")
+        if "coding" in self.lab:  # it runs the candidates' programs: refused before anything is merged
+            from .sandbox import ensure_isolation
+
+            ensure_isolation()
         if self.harness:
             from .lab.harness import UnknownTask, split_tasks
 

@@ -159,3 +159,23 @@ def test_unknown_task_through_the_console_entry_is_a_message_not_a_traceback(
     stderr = capsys.readouterr().err
     assert "error: --tasks:" in stderr and "'chess'" in stderr
     assert "Traceback" not in stderr
+
+
+def test_coding_is_refused_where_code_cannot_be_isolated_unless_the_user_opts_in(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rlmerge.cli import main
+    from rlmerge.sandbox import BWRAP_ENV, UNSAFE_ENV
+
+    monkeypatch.setenv(BWRAP_ENV, str(checkpoint / "no-such-bwrap"))  # as on a machine without bubblewrap
+    monkeypatch.setenv(UNSAFE_ENV, "0")  # (restored after the test: the flag sets it for the whole process)
+    assert main(["eval", str(checkpoint), "--tasks", "memory,coding", "--n", "2"]) == 2
+    message = " ".join(capsys.readouterr().err.split())
+    assert "apt-get install bubblewrap" in message and "--unsafe-unisolated-code" in message
+    assert "Traceback" not in message
+    assert main(["eval", str(checkpoint), "--tasks", "memory", "--n", "2"]) == 0  # no model code to run
+    capsys.readouterr()
+    with pytest.warns(RuntimeWarning, match="WITHOUT isolation"):
+        assert main(["eval", str(checkpoint), "--tasks", "coding", "--n", "2", "--json",
+                     "--unsafe-unisolated-code"]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == {"coding"}

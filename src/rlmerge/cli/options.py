@@ -1,4 +1,5 @@
-"""Options that `rlmerge merge` and `rlmerge plan` share: one declaration, one help text."""
+"""Options that several commands share (`merge` and `plan`; `eval`, `sweep` and `lab`): one declaration, one help
+text."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import typer
 
 from ..methods import REGISTRY
 from ..methods.ram import PRESETS
+from ..sandbox import UNSAFE_FLAG
 
 Models = Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")]
 Method = Annotated[str | None, typer.Option(help=f"{', '.join(REGISTRY)} (docs/methods.md)")]
@@ -26,3 +28,7 @@ ShardSize = Annotated[str | None, typer.Option(help="max shard size, e.g. 5GB")]
 BlockSize = Annotated[int | None, typer.Option(help="elements per block (memory bound)")]
 AllowMissing = Annotated[bool, typer.Option(help="an agent missing a tensor counts as unchanged")]
 CountTiedTwice = Annotated[bool, typer.Option(help="count tied embeddings twice, as the authors' script")]
+UnsafeUnisolatedCode = Annotated[bool, typer.Option(
+    UNSAFE_FLAG, help="where bubblewrap cannot isolate it, run model-written code (the coding scorer) WITHOUT "
+                      "isolation: it can then read and write your files and reach the network. Only for models you "
+                      "trust (docs/guarantees.md)")]

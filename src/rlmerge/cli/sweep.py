@@ -52,8 +52,13 @@ def sweep_command(
     batch_size: Annotated[int | None, typer.Option(min=1, help="lm-eval batch size")] = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no live table")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print results.json's ranking as JSON")] = False,
+    unsafe_unisolated_code: o.UnsafeUnisolatedCode = False,
 ) -> None:
     """Merge every candidate of BASE and AGENTs, score each on --tasks, rank them, keep the best."""
+    if unsafe_unisolated_code:
+        from ..sandbox import allow_unisolated
+
+        allow_unisolated()
     flags = {"tasks": tasks.split(",") if tasks else None, "limit": limit, "split": split, "lab_view": lab_view,
              "keep": keep,
              "backend": backend, "workers": workers, "memory": memory, "dtype": dtype, "block_size": block_size,
