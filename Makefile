@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup mergekit verl demo test lint clean
+.PHONY: setup mergekit verl sandbox demo test lint clean
 MERGEKIT_VENV ?= .venv-mergekit
 VERL_VENV ?= .venv-verl
 
@@ -40,13 +40,25 @@ $(VERL_VENV)/.installed: constraints-verl.txt
 
 verl: $(VERL_VENV)/.installed
 
+# bubblewrap (bwrap): the OS sandbox that model-written code runs in (rlmerge.sandbox: the coding scorer, its tests).
+# Installed from apt on a fresh Debian/Ubuntu machine when run as root (CI); elsewhere this says what to install.
+# `make demo` runs no model code and does not need it.
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap; \
+	  else \
+	    echo "the tests need bubblewrap (bwrap): sudo apt-get install bubblewrap (or your system's package)" >&2; \
+	    exit 1; \
+	  fi; }
+
 demo: setup
 	$(BIN)/rlmerge demo --workdir demo-output
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
 
-test: setup mergekit verl lint
+test: setup mergekit verl sandbox lint
 	$(BIN)/python -m pytest -q
 
 clean:

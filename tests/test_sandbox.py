@@ -25,7 +25,7 @@ import pytest
 
 from rlmerge.errors import SandboxUnavailable
 from rlmerge.lab.tasks.coding import static_check
-from rlmerge.sandbox import BWRAP_ENV, UNSAFE_ENV, UNSAFE_FLAG, run_python
+from rlmerge.sandbox import BWRAP_ENV, UNSAFE_ENV, UNSAFE_FLAG, isolation, run_python
 
 SANDBOX_MODULE = "rlmerge.sandbox"  # what the helper processes below import run_python from
 SECRET = "s3cr3t-" + uuid.uuid4().hex
@@ -272,6 +272,18 @@ def test_the_users_files_cannot_be_read(planted: Path) -> None:
     assert result.ok and SECRET not in result.stdout
     assert result.stdout.splitlines()[:-1] == [f"{path} refused 2" for path in outside]  # ENOENT: not in its view
     assert result.stdout.splitlines()[-1] == "['1']"  # it sees its own process only (its namespace's init)
+
+
+def test_the_program_has_no_privileges() -> None:
+    code = ("import ctypes\n"
+            "status = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+            "print({k: status[k].strip() for k in ('CapPrm', 'CapEff', 'CapBnd', 'CapAmb', 'NoNewPrivs')})\n"
+            "print(ctypes.CDLL(None, use_errno=True).unshare(0x10000000))\n")  # CLONE_NEWUSER: no nested namespace
+    result = run_python(code)
+    zero = "0" * 16
+    caps, nested = result.stdout.splitlines()
+    assert caps == str({"CapPrm": zero, "CapEff": zero, "CapBnd": zero, "CapAmb": zero, "NoNewPrivs": "1"}), result
+    assert nested == "-1" or not isolation().disable_userns  # bubblewrap < 0.8 cannot forbid it (docs/guarantees.md)
 
 
 def test_the_environment_does_not_leak(monkeypatch: pytest.MonkeyPatch) -> None:

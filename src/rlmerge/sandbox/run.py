@@ -81,7 +81,7 @@ def run_python(code: str, *, stdin: str | bytes | None = None, files: Mapping[st
     cpu = max(1, math.ceil(timeout_s))
     limits = [0, cpu, memory_mb << 20, scratch_mb << 20, OPEN_FILES, max_processes if iso is not None else -1]
     with ExitStack() as stack:
-        stdin_fd = _data_fd(stack, "stdin", stdin or b"", read_only=True)
+        stdin_fd = subprocess.DEVNULL if stdin is None else _data_fd(stack, "stdin", stdin, read_only=True)
         if iso is not None:
             proc = _start_isolated(stack, iso, code, files or {}, limits, stdin_fd, scratch_mb << 20)
         else:
