@@ -111,8 +111,9 @@ def ensure_isolation(unsafe_unisolated: bool | None = None) -> Isolation | None:
 def _probe(bwrap: str | None) -> Isolation | tuple[str, str]:
     """Isolation, or (message, hint) saying why there is none."""
     fix = f"{INSTALL_HINT}; {OPT_IN}"
-    if bwrap is None:
-        return "model-written code runs only in an OS sandbox, and bubblewrap (bwrap) is not installed", fix
+    if bwrap is None or not os.path.exists(bwrap):
+        named = f" (${BWRAP_ENV} names {bwrap}, which does not exist)" if bwrap else ""
+        return f"model-written code runs only in an OS sandbox, and bubblewrap (bwrap) is not installed{named}", fix
     try:
         usage = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30,
                                stdin=subprocess.DEVNULL).stdout

@@ -115,7 +115,7 @@ def _start_unisolated(stack: ExitStack, code: str, files: Mapping[str, str | byt
     # Only the rlimits, a throw-away folder, an empty environment and a session of its own: nothing stops the
     # program from reading or writing the user's files, using the network or signalling this process.
     folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rlmerge-unisolated-")))
-    (folder / "main.py").write_text(code)
+    (folder / "main.py").write_bytes(code.encode())
     (scratch := folder / "scratch").mkdir()
     for name, content in files.items():
         (scratch / name).write_bytes(content.encode() if isinstance(content, str) else content)
