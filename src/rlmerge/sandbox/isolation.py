@@ -17,6 +17,7 @@ import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import SandboxUnavailable
 
@@ -56,7 +57,7 @@ class Isolation:
                 *(["--size", str(scratch_bytes)] * self.sized_tmpfs), "--tmpfs", "/tmp", "--dir", "/sandbox",
                 *copies, "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", "/tmp", "--", *argv]
 
-    def popen_user(self) -> dict[str, object]:
+    def popen_user(self) -> dict[str, Any]:
         """Popen's keyword arguments that start bwrap as ``run_as``."""
         if self.run_as is None:
             return {}
@@ -126,7 +127,7 @@ def _probe(bwrap: str | None) -> Isolation | tuple[str, str]:
         try:
             done = subprocess.run(iso.command([python, "-I", "-S", "-c", "print(6 * 7)"], scratch_bytes=1 << 20),
                                   capture_output=True, timeout=30, env={}, stdin=subprocess.DEVNULL,
-                                  **iso.popen_user())  # type: ignore[call-overload]
+                                  **iso.popen_user())
         except (OSError, subprocess.SubprocessError) as e:
             return f"bubblewrap ({bwrap}) cannot run: {e}", fix
         if done.returncode == 0 and done.stdout.strip() == b"42":

@@ -107,7 +107,7 @@ def _start_isolated(stack: ExitStack, iso: Isolation, code: str, files: Mapping[
                        scratch_bytes=scratch_bytes, data=data)
     return subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={},
                             pass_fds=[fd for fd, _, _ in data], start_new_session=True,
-                            **iso.popen_user())  # type: ignore[call-overload]
+                            **iso.popen_user())
 
 
 def _start_unisolated(stack: ExitStack, code: str, files: Mapping[str, str | bytes], limits: list[int],
