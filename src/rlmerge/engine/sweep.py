@@ -7,8 +7,9 @@ in memory is built into a state dict (``io.memory.MemoryWriter``) and scored the
 ``candidate-<id>/`` in the sweep folder, scored, and removed. Only the best ``keep`` are written as checkpoints
 (through the normal writer, with provenance). ``backend="ray"`` scores candidates in parallel (distributed.py).
 
-A scorer is any callable ``scorer(built) -> {task: score}`` (higher is better); ``rlmerge.scorers`` makes one
-for the lab's verifiable tasks and lm-eval tasks.
+A scorer is any callable ``scorer(built) -> {task: score}`` (higher is better); a score is a number or a
+``TaskScore`` (its examples, standard error and per-example results: engine/scores.py, recorded in results.json).
+``rlmerge.scoring`` makes one from names: the lab's tasks, lm-eval, BFCL, HumanEval, a command, a Python function.
 
 >>> res = rlmerge.sweep("base/", ["a1/", "a2/"], "sweep/", candidates=["ram+ r=0.05,0.1 alpha=1,2"],
 ...                     scorer=my_scorer, keep=1)                                 # doctest: +SKIP
@@ -36,8 +37,9 @@ from .cache import StatsCache, inputs_key
 from .candidates import Candidate, check, parse_all
 from .merge import check_copies, merge
 from .preflight import Preflight, flat, preflight
+from .scores import TaskScore, details_from_json
 
-__all__ = ["Built", "Scored", "Scorer", "SweepResult", "sweep"]
+__all__ = ["Built", "Scored", "Scorer", "SweepResult", "TaskScore", "sweep"]
 Backend = Literal["local", "ray"]
 RESULTS = "results.json"
 SCHEMA = "rlmerge.sweep"
@@ -105,7 +107,7 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
 
             def record(s: Scored) -> None:
                 scored[s.candidate.id] = s
-                doc["candidates"] = [scored[c.id].to_json() for c in cands if c.id in scored]
+                doc["candidates"] = [scored[c.id].to_json(doc["examples"]) for c in cands if c.id in scored]
                 if folder is not None:
                     folder.write(RESULTS, _dump(doc))
                     cache.save()
@@ -120,7 +122,7 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
                 for c in todo:
                     record(build_and_score(ctx, c, scorer, cache))
             ordered = [scored[c.id] for c in cands]
-            doc["candidates"] = [s.to_json() for s in ordered]  # also when --resume found all done
+            doc["candidates"] = [s.to_json(doc["examples"]) for s in ordered]  # also when --resume found all done
             result = _summary(ordered, doc, output=folder.path if folder is not None else None)
             if folder is not None:
                 result.kept = _keep(folder, ctx, result, doc, cache, keep, quiet=quiet)
@@ -168,7 +170,8 @@ def _new_doc(pf: Preflight, cands: list[Candidate], settings: Mapping[str, Any] 
     return {"schema": SCHEMA, "version": 1, "rlmerge_version": __version__,
             "fingerprint": json.dumps(fixed, sort_keys=True, default=str),
             "base": pf.base.label, "agents": [a.label for a in pf.match.agents],
-            "settings": dict(settings or {}), "planned": [c.to_json() for c in cands], "candidates": []}
+            "settings": dict(settings or {}), "planned": [c.to_json() for c in cands], "candidates": [],
+            "examples": {}}  # per-example samples' ids, shared by the candidates scored on them (scores.py)
 
 
 def _dump(doc: dict[str, Any]) -> bytes:
@@ -189,12 +192,14 @@ def _resumed(folder: SweepDir, doc: dict[str, Any], cands: list[Candidate]) -> d
                           file=str(folder.path / RESULTS),
                           hint="resume with the same models, tasks and options, or pass --force to start over")
     planned = {c.id: c for c in cands}
+    examples = old.get("examples") or {}
     out = {}
     for rec in old.get("candidates", []):
         c = planned.get(rec.get("id"))
         if c is not None:
             out[c.id] = Scored(c, dict(rec["scores"]), rec["where"], rec["merge_seconds"], rec["score_seconds"],
-                               list(rec["passes"]), rec["read_bytes"], rec.get("lambdas"))
+                               list(rec["passes"]), rec["read_bytes"], rec.get("lambdas"),
+                               details_from_json(rec["scores"], rec.get("details"), examples))
     return out
 
 
