@@ -84,10 +84,11 @@ def test_eval_refuses_an_unknown_task(checkpoint: Path) -> None:
     assert "'chess'" in message and "tool_use, coding, memory" in message
 
 
-def _oracle_accuracy(checkpoint: Path) -> float:
-    """Argmax over choices of log p(" " + choice | question), summed over the choice's tokens."""
+def oracle_each(checkpoint: Path) -> list[float]:
+    """Per document, 1.0 when the argmax over choices of log p(" " + choice | question), summed over the choice's
+    tokens, is the gold choice (also the oracle of tests/test_scoring_lmeval.py)."""
     model, tok = load_checkpoint(checkpoint)
-    right = 0
+    right = []
     for doc in DOCS:
         lls = []
         for choice in doc["choices"]:
@@ -97,8 +98,12 @@ def _oracle_accuracy(checkpoint: Path) -> float:
                 logits = model(torch.tensor([ctx + cont])).logits[0].float()
             logp = torch.log_softmax(logits[len(ctx) - 1 : -1], dim=-1)
             lls.append(sum(logp[i, t].item() for i, t in enumerate(cont)))
-        right += int(max(range(len(lls)), key=lls.__getitem__) == doc["gold"])
-    return right / len(DOCS)
+        right.append(float(max(range(len(lls)), key=lls.__getitem__) == doc["gold"]))
+    return right
+
+
+def _oracle_accuracy(checkpoint: Path) -> float:
+    return sum(oracle_each(checkpoint)) / len(DOCS)
 
 
 @pytest.mark.slow

@@ -25,8 +25,10 @@ def sweep_command(
         "--candidate", help='a grid, repeatable: "METHOD KEY=V1,V2 KEY=V3" (every combination is a candidate)')]
     = None,
     recipe: Annotated[Path | None, typer.Option(help="YAML: base_model, models, candidates, and any option")] = None,
-    tasks: Annotated[str | None, typer.Option(help="comma-separated: lab:tool_use, lab:coding, lab:memory, "
-                                                   "lm-eval:TASK")] = None,
+    tasks: Annotated[list[str] | None, typer.Option(
+        help="scorers, comma-separated, repeatable: lab:FAMILY, lm-eval:TASK, bfcl:CATEGORY (simple, multiple, "
+             "parallel, parallel_multiple), humaneval, py:MODULE:FUNCTION, 'cmd:COMMAND {model}' (a cmd: entry "
+             "takes the rest of its --tasks value, commas included)")] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="examples per task (default 128)")] = None,
     split: Annotated[str | None, typer.Option(help="the lab tasks' split: val (default) or test")] = None,
     lab_view: Annotated[str | None, typer.Option(help="how the model sees a lab task: word (the tiny lab's "
@@ -49,7 +51,15 @@ def sweep_command(
     include_path: Annotated[list[Path] | None, typer.Option(help="folder of lm-eval task YAMLs (repeatable)")]
     = None,
     num_fewshot: Annotated[int | None, typer.Option(min=0, help="few-shot examples for lm-eval tasks")] = None,
-    batch_size: Annotated[int | None, typer.Option(min=1, help="lm-eval batch size")] = None,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="lm-eval batch size; prompts generated at once")]
+    = None,
+    lm_eval_backend: Annotated[str | None, typer.Option(help="lm-eval's model: hf (in process, default) or vllm "
+                                                             "(pip install vllm; a CUDA machine)")] = None,
+    cmd_timeout: Annotated[float | None, typer.Option(help="seconds a cmd: scorer may run per candidate "
+                                                           "(default 3600)")] = None,
+    cmd_env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE added to a cmd: scorer's environment "
+                                                           "(repeatable)")] = None,
+    cmd_cwd: Annotated[Path | None, typer.Option(help="a cmd: scorer's working folder (default: this one)")] = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no live table")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print results.json's ranking as JSON")] = False,
     unsafe_unisolated_code: o.UnsafeUnisolatedCode = False,
@@ -59,21 +69,26 @@ def sweep_command(
         from ..sandbox import allow_unisolated
 
         allow_unisolated()
-    flags = {"tasks": tasks.split(",") if tasks else None, "limit": limit, "split": split, "lab_view": lab_view,
+    flags = {"tasks": tasks, "limit": limit, "split": split, "lab_view": lab_view,
              "keep": keep,
              "backend": backend, "workers": workers, "memory": memory, "dtype": dtype, "block_size": block_size,
              "device": device, "seed": seed, "allow_missing": allow_missing or None,
              "count_tied_twice": count_tied_twice or None, "num_fewshot": num_fewshot, "batch_size": batch_size,
-             "include_path": [str(p) for p in include_path] if include_path else None}
+             "include_path": [str(p) for p in include_path] if include_path else None,
+             "lm_eval_backend": lm_eval_backend, "cmd_timeout": cmd_timeout, "cmd_env": cmd_env,
+             "cmd_cwd": str(cmd_cwd) if cmd_cwd is not None else None}
     base, agents, grids, s = _gather(models, recipe, candidate, {k: v for k, v in flags.items() if v is not None})
     scorer = None
     if s.get("tasks"):
-        from ..scorers import TaskScorer
+        from ..scoring import TaskScorer, split_task_list
 
-        scorer = TaskScorer([t.strip() for t in s["tasks"] if t.strip()], limit=s.get("limit", 128),
+        values = [s["tasks"]] if isinstance(s["tasks"], str) else list(s["tasks"])
+        scorer = TaskScorer([t for v in values for t in split_task_list(str(v))], limit=s.get("limit", 128),
                             split=s.get("split", "val"), seed=s.get("seed", 0),
                             include_path=list(s.get("include_path", [])), num_fewshot=s.get("num_fewshot"),
-                            batch_size=s.get("batch_size", 8), kind=s.get("lab_view", "word"))
+                            batch_size=s.get("batch_size", 8), kind=s.get("lab_view", "word"),
+                            lm_eval_backend=s.get("lm_eval_backend", "hf"), cmd_timeout=s.get("cmd_timeout", 3600.0),
+                            cmd_env=s.get("cmd_env", ()), cmd_cwd=s.get("cmd_cwd"))
     else:
         err.print("[yellow]warning:[/] no --tasks: the candidates are merged, not scored")
     table = _LiveTable(quiet=quiet or json_out)

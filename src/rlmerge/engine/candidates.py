@@ -199,7 +199,8 @@ class SweepRecipe:
 
 
 SETTINGS = {"tasks", "limit", "keep", "backend", "workers", "memory", "split", "lab_view", "dtype", "seed",
-            "block_size", "device", "allow_missing", "count_tied_twice", "include_path", "num_fewshot", "batch_size"}
+            "block_size", "device", "allow_missing", "count_tied_twice", "include_path", "num_fewshot", "batch_size",
+            "lm_eval_backend", "cmd_timeout", "cmd_env", "cmd_cwd"}
 
 
 def load_sweep_recipe(path: str | Path) -> SweepRecipe:
