@@ -50,7 +50,7 @@ INSTALL = "pip install --no-deps bfcl-eval==2026.3.23 (or: pip install 'rlmerge[
 CATEGORIES = {"simple": "simple_python", "multiple": "multiple", "parallel": "parallel",
               "parallel_multiple": "parallel_multiple"}  # our name → BFCL's test category (its file name)
 PYTHON_HINT = " Note that the provided function is in Python 3 syntax."  # BFCL's, for a Python category
-MAX_NEW_TOKENS = 256  # the longest right answer (parallel_multiple: four calls) is ~150 tokens
+MAX_NEW_TOKENS = 384  # the longest ground-truth answer is 241 tokens (parallel; SmolLM2's tokenizer)
 MAX_POWER = 64  # the largest exponent a reply's ``a ** b`` may have (BFCL would eval it; here it is computed)
 MAX_REPEAT = 10_000  # and the longest string or list an expression may make
 

