@@ -287,3 +287,38 @@ def test_the_cli_refuses_a_bad_scorer_with_exit_2(example, tmp_path: Path, capsy
                  "--tasks", "cmd:python eval.py"]) == 2
     assert "{model}" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_a_recipe_names_scorers_and_command_options(example, tmp_path: Path) -> None:
+    from rlmerge.cli import main
+
+    base, agents = example
+    script = _write(tmp_path / "evals", "e.py", '''
+        import json, os, sys
+        print(json.dumps({"flag": float(os.environ["FLAG"]), "argc": len(sys.argv)}))
+    ''')
+    recipe = tmp_path / "sweep.yaml"
+    recipe.write_text(f"base_model: {base}\nmodels:\n  - model: {agents[0]}\n  - model: {agents[1]}\n"
+                      "candidates:\n  - task_arithmetic scaling=0.5,1\n"
+                      f"tasks:\n  - 'cmd:{sys.executable} e.py {{model}} a,b c'\n"
+                      f"cmd_env: {{FLAG: '2.5'}}\ncmd_cwd: {script.parent}\ncmd_timeout: 60\n")
+    out = tmp_path / "out"
+    assert main(["sweep", "--recipe", str(recipe), "-o", str(out), "-q"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert [c["scores"] for c in doc["candidates"]] == [{"flag": 2.5, "argc": 4.0}] * 2  # "a,b" stayed one argument
+    assert doc["settings"]["tasks"] == [f"cmd:{sys.executable} e.py {{model}} a,b c"]
+    assert doc["settings"]["cmd_env"] == ["FLAG"] and "2.5" not in json.dumps(doc["settings"])
+
+
+def test_a_failing_command_leaves_no_copy_of_the_candidate_behind(example, tmp_path: Path) -> None:
+    base, agents = example
+    log = tmp_path / "seen"
+    script = _write(tmp_path, "fail.py", f'''
+        import sys
+        open({str(log)!r}, "w").write(sys.argv[1])
+        sys.exit("no GPU")
+    ''')
+    scorer = TaskScorer([f"cmd:{PY} {script} {{model}}"])
+    with pytest.raises(ScorerError, match="no GPU"):
+        rlmerge.sweep(base, agents, candidates=["task_arithmetic scaling=1"], scorer=scorer, memory="always")
+    assert log.read_text() and not Path(log.read_text()).exists()
