@@ -238,6 +238,8 @@ HUMANEVAL_CASES = [  # (problem index, how the reply is made, passes?)
     (5, lambda p: "```python\nimport os\nos._exit(0)\n```", False),
     (6, lambda p: "```python\nwhile True:\n    pass\n```", False),  # time-out
     (7, lambda p: "I cannot solve this.", False),
+    (8, lambda p: f"```python\n{p['prompt']}{p['canonical_solution']}\nif __name__ == '__main__':\n    input()\n```",
+     True),  # a demo under a main guard does not run (it would wait for input)
 ]
 
 

@@ -93,6 +93,9 @@ class TaskScorer:
     cmd_timeout: float = 3600.0
     cmd_env: str | Sequence[str] | Mapping[str, str] = ()  # KEY=VALUE each, or a mapping
     cmd_cwd: str | None = None
+    options: Options = field(init=False, repr=False)  # the fields above, checked
+    specs: list[str] = field(init=False, repr=False)  # the names, normalised
+    parts: list[Part] = field(init=False, repr=False)  # one scorer per name (lm-eval's tasks: one for all)
 
     def __post_init__(self) -> None:
         if not self.tasks:

