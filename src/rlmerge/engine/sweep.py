@@ -90,14 +90,15 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
                                     hint="memory: auto, always or never; backend: local or ray"))
     options = {"dtype": dtype, "block_size": block_size, "device": device, "allow_missing": allow_missing,
                "count_tied_twice": count_tied_twice}
-    pf = _check(base, agents, cands, options, problems)
+    claim = (lambda models: SweepDir(output, inputs=models, resume=resume, force=force)) \
+        if output is not None else None
+    pf = _check(base, agents, cands, options, problems, claim)
     try:
         assert pf.match is not None and pf.base is not None  # no problems
         check_copies(pf.match)  # once for every candidate: they all copy the same tensors
         doc = _new_doc(pf, cands, settings, options)
         with contextlib.ExitStack() as stack:
-            folder = stack.enter_context(SweepDir(output, inputs=pf.models, resume=resume, force=force)) \
-                if output is not None else None
+            folder = stack.enter_context(claim(pf.models)) if claim is not None else None
             cache = cache if cache is not None else StatsCache(folder)
             done = _resumed(folder, doc, cands) if resume and folder is not None else {}
             ctx = Context(str(base), [str(a) for a in agents], options, memory, pf.base.side_dir,
@@ -138,8 +139,9 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
 
 
 def _check(base: Any, agents: Sequence[Any], cands: list[Candidate], options: dict[str, Any],
-           problems: list[RLMergeError]) -> Preflight:
-    """Every candidate's preflight (headers only), every problem at once; the first one's, open, for the sweep."""
+           problems: list[RLMergeError], claim: Callable[[list[Any]], SweepDir] | None) -> Preflight:
+    """Every candidate's preflight (headers only) and the sweep folder's problems (``claim``), every problem at
+    once, before a weight is read; the first candidate's preflight, open, for the sweep."""
     first: Preflight | None = None
     seen: set[str] = set()
     for c in cands:
@@ -154,6 +156,8 @@ def _check(base: Any, agents: Sequence[Any], cands: list[Candidate], options: di
             first = pf
         else:
             pf.close()
+    if claim is not None and first is not None:
+        problems += claim(first.models).problems()
     if problems and first is not None:
         first.close()
     raise_all(problems)
@@ -235,9 +239,9 @@ def _keep(folder: SweepDir, ctx: Context, result: SweepResult, doc: dict[str, An
                   seed=s.candidate.seed, force=True, recipe=recipe, cache=cache, quiet=quiet, **ctx.options)
         kept.append(out)
         names[name] = s.candidate.id
-    for stale in sorted(folder.path.glob("best-*")):
-        if stale.name not in names and stale.is_dir():
-            folder.remove_checkpoint(stale.name)
+    for stale in folder.kept():
+        if stale not in names:
+            folder.remove_checkpoint(stale)
     doc["kept"] = names
     return kept
 
