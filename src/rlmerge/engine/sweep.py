@@ -96,6 +96,10 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     try:
         assert pf.match is not None and pf.base is not None  # no problems
         check_copies(pf.match)  # once for every candidate: they all copy the same tensors
+        if backend == "ray":
+            from .distributed import init  # Ray is imported only here (the ``ray`` extra)
+
+            init()  # reached (or refused) before the sweep folder is claimed
         doc = _new_doc(pf, cands, settings, options)
         with contextlib.ExitStack() as stack:
             folder = stack.enter_context(claim(pf.models)) if claim is not None else None
