@@ -218,6 +218,84 @@ def test_fan_in_fan_out_gpt2(tmp_path: Path) -> None:
         torch.testing.assert_close(x[k], y[k], rtol=0, atol=ULPS * 2**-23 * y[k].abs().max().item())
 
 
+def _set_fan_in_fan_out(adapter: Path, value: bool) -> None:
+    """What a converter or a hand edit leaves: PEFT itself saves the flag its layers forced (it mutates its config)."""
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["fan_in_fan_out"] = value
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def _assert_merges_like_peft(base: Path, adapter: Path, tmp_path: Path, changed: list[str]) -> None:
+    """rlmerge's merge of ``adapter`` equals the merge of PEFT's merge_and_unload() of it (loaded as PEFT loads it)."""
+    with pytest.warns(UserWarning, match="fan_in_fan_out is set to"):  # PEFT says it overrides the flag
+        full = _full(base, adapter, tmp_path / "full")
+    rlmerge.merge(base, [adapter], tmp_path / "x", method="task_arithmetic", dtype="float32")
+    rlmerge.merge(base, [full], tmp_path / "y", method="task_arithmetic", dtype="float32")
+    x, y, b = load_output(tmp_path / "x"), load_output(tmp_path / "y"), load_output(base)
+    for name in changed:
+        assert not torch.equal(y[name], b[name].float()), name
+    for k in y:
+        torch.testing.assert_close(x[k], y[k], rtol=0, atol=ULPS * 2**-23 * y[k].abs().max().item(), msg=k)
+
+
+def test_fan_in_fan_out_true_on_linear_layers_is_ignored_as_peft_ignores_it(lora, tmp_path: Path) -> None:
+    """Qwen2's q/o projections are square nn.Linear layers: PEFT warns and merges W + s·B@A whatever the flag
+    says; rlmerge merged W + s·(B@A)ᵀ (and refused k/v, whose transpose has the wrong shape)."""
+    base, _, _ = lora
+    ad = _adapter(base, tmp_path / "ad", 5, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "k_proj"])
+    _set_fan_in_fan_out(ad, True)
+    _assert_merges_like_peft(base, ad, tmp_path, ["model.layers.0.self_attn.q_proj.weight",
+                                                  "model.layers.1.self_attn.o_proj.weight",
+                                                  "model.layers.0.self_attn.k_proj.weight"])
+    notes = [w for w in dry_run(base, [ad], tmp_path / "plan").warnings if "fan_in_fan_out" in w]
+    assert notes and "Linear" in notes[0]  # PEFT's warning, said too
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2: Conv1D layers (W stored [in, out]), the attention's c_proj square."""
+    root = tmp_path_factory.mktemp("gpt2")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(root / "base")
+    return root / "base"
+
+
+def test_fan_in_fan_out_false_on_conv1d_layers_is_overridden_as_peft_overrides_it(gpt2: Path, tmp_path: Path) -> None:
+    """GPT-2's Conv1D layers need τ = s·(B@A)ᵀ even where adapter_config.json says fan_in_fan_out: false (PEFT warns
+    and sets it): rlmerge merged the square attn.c_proj untransposed and refused c_fc."""
+    ad = _adapter(gpt2, tmp_path / "ad", 4, r=2, lora_alpha=4, target_modules=["c_attn", "c_proj", "c_fc"],
+                  fan_in_fan_out=True)
+    _set_fan_in_fan_out(ad, False)
+    _assert_merges_like_peft(gpt2, ad, tmp_path, ["transformer.h.0.attn.c_proj.weight",
+                                                  "transformer.h.0.mlp.c_fc.weight",
+                                                  "transformer.h.0.attn.c_attn.weight"])
+
+
+@pytest.mark.parametrize("config", ["no model_type", "custom code (auto_map)"])
+def test_a_square_layer_of_unknown_class_is_refused_not_guessed(gpt2: Path, tmp_path: Path, config: str) -> None:
+    """Without a transformers model_type nothing says whether a square W is a Linear or a Conv1D: refused, naming the
+    tensor; a non-square one is decided by its shape (c_attn [16, 48] is only a Conv1D's)."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(gpt2, base)
+    cfg = json.loads((base / "config.json").read_text())
+    if config == "no model_type":
+        del cfg["model_type"]
+    else:
+        cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomGPT"}
+    (base / "config.json").write_text(json.dumps(cfg))
+    square = _adapter(gpt2, tmp_path / "square", 4, r=2, target_modules=["c_proj"], fan_in_fan_out=True)
+    with pytest.raises(RLMergeError, match="cannot tell whether transformer.h.0.attn.c_proj is a Linear") as info:
+        rlmerge.merge(base, [square], tmp_path / "out")
+    assert "transformer.h.0.attn.c_proj.weight" in info.value.render() and not (tmp_path / "out").exists()
+    wide = _adapter(gpt2, tmp_path / "wide", 4, r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+    rlmerge.merge(base, [wide], tmp_path / "x", method="task_arithmetic", dtype="float32")
+    rlmerge.merge(gpt2, [wide], tmp_path / "y", method="task_arithmetic", dtype="float32")
+    assert_same_tensors(load_output(tmp_path / "x"), load_output(tmp_path / "y"))
+
+
 def _edit_config(src: Path, dst: Path, **changes: object) -> Path:
     dst.mkdir()
     (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
