@@ -322,6 +322,53 @@ def test_inexact_adapters_are_refused(lora, tmp_path: Path, change: dict, match:
     assert isinstance(first, InputError) and first.hint and not (tmp_path / "out").exists()
 
 
+def _rank_zero(src: Path, dst: Path) -> Path:
+    """layers.0's q_proj of rank 0 (A [0, in], B [out, 0]) and rank_pattern saying so: α/r divided by zero."""
+    from safetensors.torch import load_file, save_file
+
+    bad = _edit_config(src, dst, rank_pattern={"layers.0.self_attn.q_proj": 0})
+    state = load_file(bad / "adapter_model.safetensors")
+    for k in [k for k in state if "layers.0.self_attn.q_proj.lora_" in k]:
+        shape = list(state[k].shape)
+        shape["lora_A" in k and 0 or 1] = 0
+        state[k] = torch.empty(shape)
+    save_file(state, bad / "adapter_model.safetensors")
+    return bad
+
+
+PATTERNS = [  # (case, what the message says, adapter_config.json changes; None: rank 0 in the weights too)
+    ("a pattern that is no regex", "'q_proj(' is not a regular expression", {"rank_pattern": {"q_proj(": 2}}),
+    ("a rank that is text", "rank_pattern['q_proj'] = 'two'", {"rank_pattern": {"q_proj": "two"}}),
+    ("a rank that is a list", "rank_pattern['q_proj'] = [2]", {"rank_pattern": {"q_proj": [2]}}),
+    ("a fractional rank", "rank_pattern['q_proj'] = 2.5", {"rank_pattern": {"q_proj": 2.5}}),
+    ("an alpha that is text", "alpha_pattern['v_proj'] = 'x'", {"alpha_pattern": {"v_proj": "x"}}),
+    ("an alpha that is a list", "alpha_pattern['v_proj'] = [3]", {"alpha_pattern": {"v_proj": [3]}}),
+    ("patterns that are a list", "rank_pattern is a list", {"rank_pattern": ["q_proj"]}),
+    ("rank 0 in rank_pattern", "rank_pattern['layers.0.self_attn.q_proj'] = 0", None),
+]
+
+
+@pytest.mark.parametrize(("case", "needle", "changes"), PATTERNS, ids=[c[0] for c in PATTERNS])
+@pytest.mark.parametrize("command", ["merge", "plan"])
+def test_malformed_rank_and_alpha_patterns_are_typed_errors(lora, tmp_path: Path, capsys, command: str, case: str,
+                                                            needle: str, changes: dict | None) -> None:
+    """A bad regex, a non-numeric or list value, rank 0 in rank_pattern / alpha_pattern: tracebacks (re.error,
+    ValueError, TypeError, ZeroDivisionError) before; now an InputError naming the file and the key, exit 3."""
+    from rlmerge.cli import main
+
+    base, adapters, _ = lora
+    bad = tmp_path / "bad"
+    if changes is None:
+        _rank_zero(adapters[0], bad)
+    else:
+        _edit_config(adapters[0], bad, **changes)
+    rc = main([command, str(base), str(bad), "-o", str(tmp_path / "out"), *(["-q"] if command == "merge" else [])])
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    assert needle in err and str(bad / "adapter_config.json") in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_lm_head_lora_on_a_tied_base_is_refused(lora, tmp_path: Path) -> None:
     base, _, _ = lora
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

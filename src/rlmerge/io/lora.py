@@ -351,13 +351,17 @@ def _config_problems(cfg: dict[str, Any], path: Path) -> list[RLMergeError]:
         refuse(f"peft_type {cfg.get('peft_type')!r}: rlmerge reads LoRA adapters only")
     if cfg.get("use_dora"):
         refuse("DoRA adapter (use_dora: true): its τ rescales W + B·A by column norms, not a LoRA product")
-    if not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
+    if not _is_rank(cfg.get("r")):
         refuse(f"r = {cfg.get('r')!r} is not a positive rank", "fix r in adapter_config.json")
-    alphas = [cfg.get("lora_alpha"), *(cfg.get("alpha_pattern") or {}).values()]
-    if any(not isinstance(a, (int, float)) or isinstance(a, bool) or a == 0 for a in alphas):
-        refuse(f"lora_alpha = {cfg.get('lora_alpha')!r}: 0 is the placeholder some converters write (verl's "
-               "model_merger without lora_train_meta.json), and with it τ would be 0",
+    alpha = cfg.get("lora_alpha")
+    if alpha == 0 and not isinstance(alpha, bool):
+        refuse("lora_alpha = 0: the placeholder some converters write (verl's model_merger without "
+               "lora_train_meta.json), and with it τ would be 0",
                "set lora_alpha (and alpha_pattern) in adapter_config.json to the values used in training")
+    elif not _is_alpha(alpha):
+        refuse(f"lora_alpha = {alpha!r} is not a non-zero number", "fix lora_alpha in adapter_config.json")
+    out += _pattern_problems(cfg, "rank_pattern", _is_rank, "a positive whole rank", where)
+    out += _pattern_problems(cfg, "alpha_pattern", _is_alpha, "a non-zero number (0 would make τ = 0)", where)
     init = str(cfg.get("init_lora_weights", True)).lower()
     if init.startswith(REWRITE_BASE):
         refuse(f"init_lora_weights {cfg.get('init_lora_weights')!r} rewrote the base weights at initialisation: "
@@ -369,6 +373,35 @@ def _config_problems(cfg: dict[str, Any], path: Path) -> list[RLMergeError]:
     for key, value in cfg.items():
         if key not in HARMLESS and key not in ("use_dora", "lora_bias") and value not in (None, False, {}, [], ""):
             refuse(f"adapter_config.json sets {key} = {value!r}, which rlmerge does not know to leave τ = s·B·A")
+    return out
+
+
+def _is_rank(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _is_alpha(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v != 0
+
+
+def _pattern_problems(cfg: dict[str, Any], key: str, ok: Any, what: str, where: str) -> list[RLMergeError]:
+    """rank_pattern / alpha_pattern: a mapping of regular expressions (as PEFT matches them) to values ``ok``
+    accepts; every bad entry, each named."""
+    pattern = cfg.get(key)
+    fix = f"fix {key} in adapter_config.json (module name pattern → value), or " + MERGE_INSTEAD
+    if pattern is None:
+        return []
+    if not isinstance(pattern, dict):
+        return [InputError(f"{key} is a {type(pattern).__name__}, not a mapping of module patterns to values",
+                           file=where, hint=fix)]
+    out: list[RLMergeError] = []
+    for k, v in pattern.items():
+        try:
+            re.compile(rf"(.*\.)?({k})$")
+        except re.error as e:
+            out.append(InputError(f"{key} key {k!r} is not a regular expression ({e})", file=where, hint=fix))
+        if not ok(v):
+            out.append(InputError(f"{key}[{k!r}] = {v!r} is not {what}", file=where, hint=fix))
     return out
 
 
