@@ -82,9 +82,10 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     cands = check([*(c for c in candidates if isinstance(c, Candidate)),
                    *(parse_all(grids, seed=seed) if grids else [])])
     problems: list[RLMergeError] = []
-    if keep < 0 or (keep and output is None):
-        problems.append(ConfigError(f"keep = {keep}: the best candidates are kept only in a sweep folder (-o)"
-                                    if keep else f"keep = {keep} must be ≥ 0"))
+    if type(keep) is not int or keep < 0:
+        problems.append(ConfigError(f"keep = {keep!r} must be a whole number ≥ 0"))
+    elif keep and output is None:
+        problems.append(ConfigError(f"keep = {keep}: the best candidates are kept only in a sweep folder (-o)"))
     if memory not in ("auto", "always", "never") or backend not in ("local", "ray"):
         problems.append(ConfigError(f"memory = {memory!r}, backend = {backend!r}",
                                     hint="memory: auto, always or never; backend: local or ray"))
