@@ -241,6 +241,21 @@ def test_a_quoted_keep_keeps_that_many(example, tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "out").glob("best-*")) == ["best-1"]
 
 
+@pytest.mark.parametrize(("args", "needle"), [(["--block-size", "0"], "block size 0"),
+                                              (["--block-size", "-3"], "block size -3"),
+                                              (["--device", "tpu"], "unknown device 'tpu'")])
+def test_inspect_refuses_the_arguments_merge_refuses(example, tmp_path: Path, capsys, args: list[str],
+                                                     needle: str) -> None:
+    """`inspect --block-size 0` died with a ValueError from the block reader, after opening every input."""
+    base, agents = example
+    with pytest.MonkeyPatch.context() as mp:  # refused before a weight is read
+        mp.setattr(Checkpoint, "read_f32", lambda *a, **k: pytest.fail("a weight was read"))
+        rc = main(["inspect", str(base), *map(str, agents), "-q", *args])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert needle in err and "Traceback" not in err
+
+
 def test_narrower_agents_than_the_base_are_warned_about(tmp_path: Path, capsys) -> None:
     """bf16 agents over an fp32 base look dense: every base value rounded to bf16 counts as a change."""
     base, agents = make_example(tmp_path / "in", shape=TINY, dtype=torch.float32)
