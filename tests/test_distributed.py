@@ -190,6 +190,27 @@ def test_a_sweep_on_ray_scores_what_it_scores_locally(cluster, example, tmp_path
     same_folder(local.kept[0], on_ray.kept[0], but=("rlmerge.json", "README.md"))  # provenance names its folder
 
 
+class FailingOnTies(Norms):
+    def __call__(self, built: rlmerge.Built) -> dict[str, float]:
+        if built.candidate.method == "ties":
+            raise ValueError("no TIES today")
+        return super().__call__(built)
+
+
+def test_a_scorer_failure_in_a_ray_task_is_recorded_as_locally(cluster, example, tmp_path: Path) -> None:
+    """The failure is the candidate's outcome on Ray too (build_and_score records it inside the task): the same
+    errors, ranking and kept checkpoints as the local sweep."""
+    base, agents = example
+    grid = ["task_arithmetic scaling=0.5,1", "ties density=0.3"]
+    local = rlmerge.sweep(base, agents, tmp_path / "local", candidates=grid, scorer=FailingOnTies(agents[0]), keep=3)
+    on_ray = rlmerge.sweep(base, agents, tmp_path / "ray", candidates=grid, scorer=FailingOnTies(agents[0]), keep=3,
+                           backend="ray", workers=2)
+    assert [(s.scores, s.error) for s in on_ray.scored] == [(s.scores, s.error) for s in local.scored]
+    assert [s.error for s in on_ray.failed] == ["ValueError: no TIES today"]
+    assert [s.candidate.id for s in on_ray.ranking] == [s.candidate.id for s in local.ranking]
+    assert [p.name for p in on_ray.kept] == ["best-1", "best-2"]
+
+
 def test_cli_merge_backend_ray_writes_the_local_bytes(cluster, example, tmp_path: Path) -> None:
     from rlmerge.cli import main
 

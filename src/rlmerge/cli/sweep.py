@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from ..engine.candidates import load_sweep_recipe
@@ -101,6 +102,7 @@ def sweep_command(
                     settings=scorer.settings() if scorer is not None else {},
                     on_result=table.add, quiet=quiet or json_out,
                     **({"block_size": s["block_size"]} if s.get("block_size") else {}))
+    _warn_failures(res)
     if json_out:
         out.print_json(json.dumps(_summary(res)))
     elif not quiet:
@@ -161,15 +163,16 @@ class _LiveTable:
         for col in ("candidate", *tasks, "average", "built in", "passes", "s"):
             t.add_column(col, justify="left" if col == "candidate" else "right")
         for s in sorted(self.rows, key=lambda s: -(s.average if s.average is not None else float("-inf"))):
-            t.add_row(s.candidate.label, *(f"{s.scores[k]:.2f}" if k in s.scores else "—" for k in tasks),
-                      f"{s.average:.2f}" if s.average is not None else "—", s.where, "+".join(s.passes),
-                      f"{s.merge_seconds + s.score_seconds:.1f}")
+            t.add_row(escape(s.candidate.label), *(f"{s.scores[k]:.2f}" if k in s.scores else "—" for k in tasks),
+                      f"{s.average:.2f}" if s.average is not None else "failed" if s.error else "—", s.where,
+                      "+".join(s.passes), f"{s.merge_seconds + s.score_seconds:.1f}")
         return t
 
 
 def _summary(res: SweepResult) -> dict[str, Any]:
     return {"output": str(res.output), "ranking": [{"label": s.candidate.label, "id": s.candidate.id,
-                                                    "scores": s.scores, "average": s.average} for s in res.ranking],
+                                                    "scores": s.scores, "average": s.average,
+                                                    **({"error": s.error} if s.error else {})} for s in res.ranking],
             "pareto": [s.candidate.id for s in res.pareto], "kept": [str(p) for p in res.kept],
             "statistics_passes": res.statistics_passes, "merge_passes": res.merge_passes,
             "seconds": round(res.seconds, 3)}
@@ -180,8 +183,17 @@ def _print_summary(res: SweepResult) -> None:
               f"{res.merge_passes} merge pass(es), {res.seconds:.1f} s")
     if res.ranking and res.ranking[0].average is not None:
         best = res.ranking[0]
-        out.print(f"best: [bold]{best.candidate.label}[/] (average {best.average:.2f})")
+        out.print(f"best: [bold]{escape(best.candidate.label)}[/] (average {best.average:.2f})")
     for p in res.kept:
-        out.print(f"kept [bold]{p}[/]")
+        out.print(f"kept [bold]{escape(str(p))}[/]")
     if res.output is not None:
-        out.print(f"wrote {res.output / 'results.json'} and {res.output / 'report.md'}")
+        out.print(f"wrote {res.output / 'results.json'} and {res.output / 'report.md'}", markup=False)
+
+
+def _warn_failures(res: SweepResult) -> None:
+    """Candidates the scorer failed on (the sweep went on): how many, and each one's message."""
+    if res.failed:
+        err.print(f"[yellow]warning:[/] the scorer failed on {len(res.failed)} of {len(res.scored)} candidate(s); "
+                  "they are ranked last and never kept (recorded in results.json and report.md):")
+        for s in res.failed:
+            err.print(f"  {s.candidate.label}: {s.error}", markup=False)

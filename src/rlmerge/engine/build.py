@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import raise_all
+from ..errors import RLMergeError, raise_all
 from ..io.memory import MemoryWriter
 from ..io.sweepdir import SweepDir
 from . import budget
@@ -61,6 +61,7 @@ class Scored:
     read_bytes: int
     lambdas: list[float] | None = None
     details: dict[str, TaskScore] = field(default_factory=dict)  # task → score with n, stderr, samples
+    error: str | None = None  # why the scorer failed on this candidate (then no scores): ranked last, never kept
 
     @property
     def average(self) -> float | None:
@@ -71,7 +72,8 @@ class Scored:
         return {**self.candidate.to_json(), "scores": self.scores, "average": self.average,
                 "details": details_json(self.details, examples if examples is not None else {}), "where": self.where,
                 "merge_seconds": round(self.merge_seconds, 3), "score_seconds": round(self.score_seconds, 3),
-                "passes": self.passes, "read_bytes": self.read_bytes, "lambdas": self.lambdas}
+                "passes": self.passes, "read_bytes": self.read_bytes, "lambdas": self.lambdas,
+                **({"error": self.error} if self.error is not None else {})}
 
 
 @dataclass
@@ -104,15 +106,27 @@ def build_and_score(ctx: Context, c: Candidate, scorer: Scorer | None, cache: St
     finally:
         pf.close()
     merged = time.perf_counter()
+    details: dict[str, TaskScore] = {}
+    error = None
     try:
         details = _scores(c, scorer(built)) if scorer is not None else {}
+    except Exception as e:  # any scorer failure is this candidate's outcome; the sweep goes on (Ctrl-C is not)
+        error = failure(e)
     finally:
         res = built.result
         del built  # the state dict goes before the next candidate is built
         if scratch is not None:
             _remove_scratch(ctx, scratch)
     return Scored(c, {k: v.score for k, v in details.items()}, "disk" if scratch is not None else "memory",
-                  merged - t0, time.perf_counter() - merged, res.passes, res.read_bytes, res.lambdas, details)
+                  merged - t0, time.perf_counter() - merged, res.passes, res.read_bytes, res.lambdas, details, error)
+
+
+def failure(e: BaseException) -> str:
+    """How a scorer's exception is recorded: one line, an rlmerge error as it renders (its hint after a semicolon),
+    anything else as ``Type: message``; cut at 2,000 characters."""
+    text = e.render().replace("\n  -> ", "; ") if isinstance(e, RLMergeError) else f"{type(e).__name__}: {e}"
+    text = " ".join(text.split())
+    return text if len(text) <= 2000 else text[:1999] + "…"
 
 
 def warm(ctx: Context, cands: Sequence[Candidate], cache: StatsCache) -> None:

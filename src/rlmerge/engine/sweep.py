@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._version import __version__
-from ..errors import ConfigError, OutputError, RLMergeError, raise_all
+from ..errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
 from ..io.sweepdir import SweepDir
 from ..report.sweep import pareto, render_report
 from .blocks import DEFAULT_BLOCK, device_type
@@ -39,7 +39,7 @@ from .merge import check_copies, merge
 from .preflight import Preflight, flat, preflight
 from .scores import TaskScore, details_from_json
 
-__all__ = ["Built", "Scored", "Scorer", "SweepResult", "TaskScore", "sweep"]
+__all__ = ["Built", "NothingScored", "Scored", "Scorer", "SweepResult", "TaskScore", "sweep"]
 Backend = Literal["local", "ray"]
 RESULTS = "results.json"
 SCHEMA = "rlmerge.sweep"
@@ -54,6 +54,11 @@ class SweepResult:
     output: Path | None = None
     seconds: float = 0.0
     cache_hits: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[Scored]:
+        """The candidates the scorer failed on (each with its ``error``), in candidate order."""
+        return [s for s in self.scored if s.error is not None]
 
     @property
     def statistics_passes(self) -> int:
@@ -140,7 +145,23 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
         pf.close()
     result.seconds = time.perf_counter() - t0
     result.cache_hits = dict(cache.hits)
+    if result.scored and len(result.failed) == len(result.scored):
+        raise _nothing_scored(result)
     return result
+
+
+class NothingScored(InputError):
+    """The scorer failed on every candidate of a sweep (each failure is recorded in its results)."""
+
+
+def _nothing_scored(result: SweepResult) -> NothingScored:
+    """The scorer failed on every candidate: what it said (each distinct message once), and where it is recorded."""
+    said = list(dict.fromkeys(s.error or "" for s in result.failed))
+    more = f" (and {len(said) - 3} other messages)" if len(said) > 3 else ""
+    return NothingScored(f"the scorer failed on every candidate ({len(result.failed)}), so nothing could be scored: "
+                      + " | ".join(said[:3]) + more, file=str(result.output / RESULTS) if result.output else None,
+                      hint=("each candidate's failure is recorded in results.json and report.md; " if result.output
+                            else "") + "fix the cause, then rerun (with --resume: failed candidates are scored again)")
 
 
 def _check(base: Any, agents: Sequence[Any], cands: list[Candidate], options: dict[str, Any],
@@ -205,7 +226,7 @@ def _resumed(folder: SweepDir, doc: dict[str, Any], cands: list[Candidate]) -> d
     out = {}
     for rec in old.get("candidates", []):
         c = planned.get(rec.get("id"))
-        if c is not None:
+        if c is not None and rec.get("error") is None:  # a candidate the scorer failed on is scored again
             out[c.id] = Scored(c, dict(rec["scores"]), rec["where"], rec["merge_seconds"], rec["score_seconds"],
                                list(rec["passes"]), rec["read_bytes"], rec.get("lambdas"),
                                details_from_json(rec["scores"], rec.get("details"), examples))
@@ -213,8 +234,10 @@ def _resumed(folder: SweepDir, doc: dict[str, Any], cands: list[Candidate]) -> d
 
 
 def _summary(ordered: list[Scored], doc: dict[str, Any], *, output: Path | None) -> SweepResult:
+    """Rank: scored candidates by average, then those without scores (no scorer), then those the scorer failed on."""
     scored = [s for s in ordered if s.scores]
-    ranking = sorted(scored, key=lambda s: -_tie(s.average or 0.0)) + [s for s in ordered if not s.scores]
+    ranking = (sorted(scored, key=lambda s: -_tie(s.average or 0.0))
+               + [s for s in ordered if not s.scores and s.error is None] + [s for s in ordered if s.error is not None])
     front = pareto([s.scores for s in scored])
     doc["tasks"] = list(dict.fromkeys(k for s in ordered for k in s.scores))
     doc["ranking"] = [s.candidate.id for s in ranking]
@@ -232,9 +255,10 @@ def _tie(average: float) -> float:
 
 def _keep(folder: SweepDir, ctx: Context, result: SweepResult, doc: dict[str, Any], cache: StatsCache, keep: int,
           *, quiet: bool) -> list[Path]:
-    """Write the best ``keep`` candidates as checkpoints ``best-1`` … (with provenance); remove stale ones."""
+    """Write the best ``keep`` candidates as checkpoints ``best-1`` … (with provenance); remove stale ones. A candidate
+    the scorer failed on is never kept."""
     kept, names = [], {}
-    for rank, s in enumerate(result.ranking[:keep], 1):
+    for rank, s in enumerate([s for s in result.ranking if s.error is None][:keep], 1):
         name = f"best-{rank}"
         out = folder.checkpoint(name)
         recipe = {"sweep": {"rank": rank, "candidate": s.candidate.to_json(), "scores": s.scores,
