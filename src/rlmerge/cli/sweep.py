@@ -8,14 +8,13 @@ from typing import Annotated, Any
 
 import typer
 from rich.live import Live
-from rich.markup import escape
 from rich.table import Table
 
 from ..engine.candidates import load_sweep_recipe
 from ..engine.sweep import Scored, SweepResult, sweep
 from ..errors import ConfigError
 from . import options as o
-from .console import err, out
+from .console import err, escape, out
 
 
 def sweep_command(
@@ -36,7 +35,7 @@ def sweep_command(
                                                       "models, default) or chat (an instruct model, e.g. SmolLM2)")]
     = None,
     keep: Annotated[int | None, typer.Option(min=0, help="write the best K candidates as checkpoints")] = None,
-    backend: Annotated[str | None, typer.Option(help="local, or ray (pip install 'rlmerge[ray]')")] = None,
+    backend: Annotated[str | None, typer.Option(help=escape("local, or ray (pip install 'rlmerge[ray]')"))] = None,
     workers: Annotated[int | None, typer.Option(min=1, help="Ray: candidates scored at once")] = None,
     memory: Annotated[str | None, typer.Option(help="build candidates in memory: auto (when they fit), "
                                                     "always, never")] = None,
