@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from ..io.open import checked_model_folder
 from . import options as o
 
 
@@ -146,7 +147,7 @@ def eval_command(
         if unsafe_unisolated_code:
             allow_unisolated()
         ensure_isolation()
-    loaded, tokenizer = load_checkpoint(model)
+    loaded, tokenizer = load_checkpoint(checked_model_folder(model, what="eval"))  # rlmerge's input rules first
     scores = {
         f: 100.0 * score_examples(loaded, tokenizer, make_split(make_family(f), "test", n, seed)) for f in split.lab
     }
