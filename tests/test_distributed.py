@@ -91,6 +91,22 @@ def test_an_unreachable_ray_address_fails_within_the_bound_naming_it(example, tm
     assert not (tmp_path / "out").exists()  # refused before the output was claimed
 
 
+@pytest.mark.parametrize(("address", "says"), [("garbage", "'garbage' is not HOST:PORT"),
+                                              ("ray://127.0.0.1:{port}", "cannot reach a Ray cluster at ray://"),
+                                              ("[::1]:{port}", "cannot reach a Ray cluster at [::1]")])
+def test_a_ray_address_that_is_no_cluster_is_a_config_error(example, tmp_path: Path, monkeypatch, capsys,
+                                                            address: str, says: str) -> None:
+    """Beyond the issue: a RAY_ADDRESS that is not an address, a Ray Client address and an IPv6 one."""
+    from rlmerge.cli import main
+
+    base, agents = example
+    monkeypatch.setenv("RAY_ADDRESS", address.format(port=_free_port()))
+    rc = main(["merge", str(base), *map(str, agents), "-o", str(tmp_path / "out"), "--backend", "ray", "-q"])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and "Traceback" not in err, err
+    assert not ray.is_initialized() and not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A local Ray cluster (2 CPUs) whose workers import this checkout; yields the fault-injection file's path."""

@@ -83,7 +83,7 @@ def init(address: str | None = None, *, timeout: float | None = None) -> None:
         os.environ[_RAY_TRIES] = "1"
     try:
         ray.init(address=address, log_to_driver=False)
-    except (ConnectionError, TimeoutError) as e:
+    except (ConnectionError, TimeoutError, ValueError) as e:  # ValueError: e.g. ray:// without ray[client]
         raise _unreachable(where, str(e)) from e
     finally:
         if saved is None:
@@ -133,8 +133,7 @@ def _endpoint(address: str) -> tuple[str, int]:
 
 def _unreachable(address: str, why: str) -> ConfigError:
     return ConfigError(f"cannot reach a Ray cluster at {address}: {why}",
-                       hint="start it (ray start --head), fix the address (RAY_ADDRESS or --address), or unset "
-                            "RAY_ADDRESS to run Ray on this machine")
+                       hint="start it (ray start --head), fix RAY_ADDRESS, or unset it to run Ray on this machine")
 
 
 def _get(refs: list[Any], on_done: Callable[[int, Any], None], *, limit: int | None,
