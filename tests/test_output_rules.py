@@ -326,6 +326,27 @@ def _candidate_folder_lists_outside(w: World) -> tuple[list[str], Path]:
     return [*_sweep(w, out, False), "--resume"], out
 
 
+def _kept_checkpoint_is_a_link(name: str) -> Callable[[World], tuple[list[str], Path]]:
+    """best-1 (or a candidate folder) replaced by a link to an rlmerge output of the user's elsewhere: --force
+    must not empty it."""
+    def setup(w: World) -> tuple[list[str], Path]:
+        out = w.root / "out"
+        mine = w.root / "user" / "my-merge"
+        assert main(_merge(w, mine, False)) == 0
+        shutil.rmtree(out / "best-1")
+        (out / name).symlink_to(mine, target_is_directory=True)
+        return _sweep(w, out, True), out
+    return setup
+
+
+def _cache_entry_is_a_link(w: World) -> tuple[list[str], Path]:
+    out = w.root / "out"
+    entry = next((out / "cache").iterdir())
+    entry.unlink()
+    entry.symlink_to(w.root / "user" / "notes.txt")
+    return _sweep(w, out, True), out
+
+
 def _merge_output_lists_outside(w: World) -> tuple[list[str], Path]:
     out = w.root / "merged"
     assert main(_merge(w, out, False)) == 0
@@ -344,6 +365,12 @@ LIES: list[tuple[str, Callable[[World], tuple[list[str], Path]]]] = [
     ("sweep --resume: a stale best-N's manifest", _stale_checkpoint_lists_outside),
     ("sweep --resume: a candidate folder's manifest", _candidate_folder_lists_outside),
     ("merge --force: its manifest lists a file outside", _merge_output_lists_outside),
+    # beyond the issue's list
+    ("sweep --force: a NUL in a listed name", _sweep_lists_one_outside("cache/a\u0000b")),
+    ("sweep --force: best-1 is a link to the user's merge", _kept_checkpoint_is_a_link("best-1")),
+    ("sweep --force: a candidate folder is a link to the user's merge",
+     _kept_checkpoint_is_a_link("candidate-0123456789ab")),
+    ("sweep --force: a cache entry is a link to the user's file", _cache_entry_is_a_link),
 ]
 
 

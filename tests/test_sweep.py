@@ -194,6 +194,30 @@ def test_a_scorer_failing_on_every_candidate_ends_the_sweep_with_its_message(exa
     assert doc["kept"] == {} and not list((tmp_path / "sweep").glob("best-*"))
 
 
+def test_resume_redoes_a_record_it_cannot_read_back(example, tmp_path: Path) -> None:
+    """Beyond the issue: results.json records an older rlmerge (or an edit) left unreadable (a field missing, a score
+    that is text), with the folder's manifest updated to match, were a KeyError or a TypeError on --resume; such a
+    candidate is merged and scored again, the others are kept."""
+    import zlib
+
+    base, agents = example
+    grid = ["task_arithmetic scaling=0.5,1", "ties density=0.2"]
+    first = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=grid, scorer=Distance(agents))
+    results, manifest = tmp_path / "sweep" / "results.json", tmp_path / "sweep" / "rlmerge-sweep.json"
+    doc = json.loads(results.read_text())
+    del doc["candidates"][0]["where"]
+    doc["candidates"][1]["scores"] = {"near1": "high"}
+    data = json.dumps(doc).encode()
+    results.write_bytes(data)
+    listing = json.loads(manifest.read_text())
+    listing["files"]["results.json"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    manifest.write_text(json.dumps(listing))
+    again = Distance(agents)
+    res = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=grid, scorer=again, resume=True)
+    assert again.calls == 2
+    assert [s.scores for s in res.scored] == [s.scores for s in first.scored]
+
+
 @pytest.fixture(scope="module")
 def lab_agents(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
     """A tiny lab model and two 'fine-tunes' of it (the base plus small perturbations)."""

@@ -37,7 +37,7 @@ from .cache import StatsCache, inputs_key
 from .candidates import Candidate, check, parse_all
 from .merge import check_copies, merge
 from .preflight import Preflight, flat, preflight
-from .scores import TaskScore, details_from_json
+from .scores import TaskScore, details_from_json, make
 
 __all__ = ["Built", "NothingScored", "Scored", "Scorer", "SweepResult", "TaskScore", "sweep"]
 Backend = Literal["local", "ray"]
@@ -217,19 +217,26 @@ def _resumed(folder: SweepDir, doc: dict[str, Any], cands: list[Candidate]) -> d
         old = json.loads(raw)
     except ValueError:
         return {}
-    if old.get("schema") != SCHEMA or old.get("fingerprint") != doc["fingerprint"]:
+    if not isinstance(old, dict) or old.get("schema") != SCHEMA or old.get("fingerprint") != doc["fingerprint"]:
         raise OutputError("the sweep in this folder was run on other inputs or with other scoring settings",
                           file=str(folder.path / RESULTS),
                           hint="resume with the same models, tasks and options, or pass --force to start over")
     planned = {c.id: c for c in cands}
     examples = old.get("examples") or {}
     out = {}
-    for rec in old.get("candidates", []):
-        c = planned.get(rec.get("id"))
-        if c is not None and rec.get("error") is None:  # a candidate the scorer failed on is scored again
-            out[c.id] = Scored(c, dict(rec["scores"]), rec["where"], rec["merge_seconds"], rec["score_seconds"],
-                               list(rec["passes"]), rec["read_bytes"], rec.get("lambdas"),
-                               details_from_json(rec["scores"], rec.get("details"), examples))
+    records = old.get("candidates")
+    for rec in records if isinstance(records, list) else []:
+        c = planned.get(rec.get("id")) if isinstance(rec, dict) else None
+        if c is None or rec.get("error") is not None:  # a candidate the scorer failed on is scored again
+            continue
+        try:
+            details = {k: make(v, task=k, where=RESULTS)
+                       for k, v in details_from_json(dict(rec["scores"]), rec.get("details"), examples).items()}
+            out[c.id] = Scored(c, {k: v.score for k, v in details.items()}, str(rec["where"]),
+                               float(rec["merge_seconds"]), float(rec["score_seconds"]),
+                               [str(p) for p in rec["passes"]], int(rec["read_bytes"]), rec.get("lambdas"), details)
+        except (AttributeError, KeyError, TypeError, ValueError, RLMergeError):
+            continue  # a record this rlmerge cannot read back (an older one's, or edited): the candidate is redone
     return out
 
 
