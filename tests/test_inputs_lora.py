@@ -345,6 +345,10 @@ PATTERNS = [  # (case, what the message says, adapter_config.json changes; None:
     ("an alpha that is a list", "alpha_pattern['v_proj'] = [3]", {"alpha_pattern": {"v_proj": [3]}}),
     ("patterns that are a list", "rank_pattern is a list", {"rank_pattern": ["q_proj"]}),
     ("rank 0 in rank_pattern", "rank_pattern['layers.0.self_attn.q_proj'] = 0", None),
+    # beyond the issue: a NaN alpha merged to NaN (found only by the merge, after plan passed); a boolean rank
+    ("a NaN lora_alpha", "lora_alpha = nan is not a non-zero number", {"lora_alpha": float("nan")}),
+    ("an infinite alpha in alpha_pattern", "alpha_pattern['v_proj'] = inf", {"alpha_pattern": {"v_proj": 1e999}}),
+    ("a boolean rank", "rank_pattern['q_proj'] = True", {"rank_pattern": {"q_proj": True}}),
 ]
 
 

@@ -60,6 +60,9 @@ def test_grid_grammar() -> None:
         parse_grid("task_arithmetic scaling=1 seed=0,1")
     with pytest.raises(ConfigError, match="KEY=V1"):
         parse_grid("ties density")
+    for seed in (1.5, True, "x"):  # a recipe candidate's seed is typed as the recipe's: int(1.5) was 1
+        with pytest.raises(ConfigError, match="is not a whole number"):
+            parse_all([{"method": "dare_ties", "parameters": {"density": 0.5}, "seed": seed}])
     with pytest.raises(RLMergeError) as e:  # every bad candidate at once
         parse_all(["ram+ r=abc", "ties density=7"])
     assert "r=abc" in str(e.value.render()) and "density=7" in str(e.value.render())

@@ -126,7 +126,8 @@ def parse_all(texts: Sequence[Any], *, seed: int = 0, where: str = "--candidate"
         except RLMergeError as e:
             problems.append(e)
     try:
-        out = check(out)
+        if out or not problems:  # "no candidates" is news only when no grid was refused
+            out = check(out)
     except RLMergeError as e:
         problems += e.problems if isinstance(e, ProblemsError) else [e]
     raise_all(problems)
