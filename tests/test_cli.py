@@ -320,6 +320,8 @@ def test_an_extra_that_is_missing_is_named_whole(example, tmp_path: Path, capsys
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "hello"}\n')
     monkeypatch.setitem(sys.modules, missing, None)  # `import MISSING` now raises ImportError
+    for name in [n for n in sys.modules if n.startswith(f"{missing}.")]:  # and so does a submodule imported earlier
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.delitem(sys.modules, "rlmerge.engine.distributed", raising=False)  # imports Ray when imported
     if missing == "lm_eval":
         from rlmerge.lab import harness
