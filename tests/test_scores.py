@@ -109,7 +109,12 @@ def test_results_json_records_each_scores_uncertainty_and_resume_reads_it_back(e
     assert json.loads((tmp_path / "sweep" / "results.json").read_text())["candidates"] == doc["candidates"]
 
 
-def test_a_scorer_returning_a_bad_value_raises_a_scorer_error_naming_the_candidate(example) -> None:
+def test_a_scorer_returning_a_bad_value_is_that_candidates_failure_naming_it(example) -> None:
     base, agents = example
-    with pytest.raises(ScorerError, match="task_arithmetic scaling=0.5.*'t'.*nan"):
+    with pytest.raises(rlmerge.NothingScored, match="task_arithmetic scaling=0.5.*'t'.*nan"):
         rlmerge.sweep(base, agents, candidates=["task_arithmetic scaling=0.5"], scorer=lambda b: {"t": math.nan})
+    # beside a candidate it scores, the bad value is recorded on its own candidate, which ranks last
+    res = rlmerge.sweep(base, agents, candidates=["task_arithmetic scaling=0.5,1.0"],
+                        scorer=lambda b: {"t": math.nan if b.candidate.label.endswith("0.5") else 1.0})
+    assert [s.candidate.label for s in res.ranking] == ["task_arithmetic scaling=1.0", "task_arithmetic scaling=0.5"]
+    assert res.ranking[1].error is not None and "nan" in res.ranking[1].error and not res.ranking[1].scores

@@ -319,6 +319,28 @@ def test_a_failing_command_leaves_no_copy_of_the_candidate_behind(example, tmp_p
         sys.exit("no GPU")
     ''')
     scorer = TaskScorer([f"cmd:{PY} {script} {{model}}"])
-    with pytest.raises(ScorerError, match="no GPU"):
+    with pytest.raises(rlmerge.NothingScored, match="no GPU"):
         rlmerge.sweep(base, agents, candidates=["task_arithmetic scaling=1"], scorer=scorer, memory="always")
     assert log.read_text() and not Path(log.read_text()).exists()
+
+
+def test_a_command_failing_on_one_candidate_is_recorded_there_with_its_stderr_and_the_sweep_goes_on(
+        example, tmp_path: Path) -> None:
+    from rlmerge.engine.candidates import parse_grid
+
+    base, agents = example
+    doomed = parse_grid("task_arithmetic scaling=0.5")[0].id
+    script = _write(tmp_path, "half.py", f'''
+        import json, os, sys
+        if os.environ["RLMERGE_CANDIDATE"] == {doomed!r}:
+            sys.exit("CUDA out of memory on this one")
+        print(json.dumps({{"t": 1.0}}))
+    ''')
+    out = tmp_path / "sweep"
+    res = rlmerge.sweep(base, agents, out, candidates=["task_arithmetic scaling=0.5,1.0"],
+                        scorer=TaskScorer([f"cmd:{PY} {script} {{model}}"]))
+    assert [s.candidate.label for s in res.ranking] == ["task_arithmetic scaling=1.0", "task_arithmetic scaling=0.5"]
+    doc = json.loads((out / "results.json").read_text())
+    failed = [c for c in doc["candidates"] if c.get("error")]
+    assert [c["id"] for c in failed] == [doomed] and "CUDA out of memory on this one" in failed[0]["error"]
+    assert "CUDA out of memory on this one" in (out / "report.md").read_text()
