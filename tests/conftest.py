@@ -8,11 +8,33 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-from safetensors.torch import load_file
 
-from rlmerge.synthetic import Shape, make_example
+def _numba_target() -> None:
+    """Compile numba's kernels for one x86-64 target in every test run: the fused path's report sums (float32 tile
+    sums compiled with ``reassoc``) follow the vector width LLVM picks for the host CPU, so the golden report hashes
+    (tests/test_golden.py) would depend on the machine (measured: a host LLVM names "rocketlake" wrote other
+    rlmerge-report.json bytes than the recording machine; both agree when compiling for haswell). Weights never
+    depend on it. Only where the CPU has AVX2 (haswell's code would not run elsewhere); set NUMBA_CPU_NAME to
+    override."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64") or "NUMBA_CPU_NAME" in os.environ:
+        return
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return
+    if " avx2" in flags and " fma" in flags:
+        os.environ["NUMBA_CPU_NAME"] = "haswell"
+
+
+_numba_target()  # before anything imports numba (it reads the variable once)
+
+import pytest  # noqa: E402 - after the numba target is set
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from rlmerge.synthetic import Shape, make_example  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -256,3 +256,84 @@ def test_hub_downloads_never_fetch_code(tmp_path: Path, monkeypatch: pytest.Monk
         assert not any(fnmatch.fnmatch(code, p) for p in patterns), code
     for data in ("model-00001-of-00002.safetensors", "config.json", "tokenizer.model", "chat_template.jinja"):
         assert any(fnmatch.fnmatch(data, p) for p in patterns), data
+
+
+# -- every command that reads a model holds it to the same rules -------------------------------------------------
+def _pickle_that_runs_code(m: Path, tmp: Path) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(str(m / "model.safetensors"))
+    (m / "model.safetensors").unlink()
+    torch.save({**state, "x": _Mkdir(tmp / "PWNED")}, m / "pytorch_model.bin")
+
+
+def _weights_linked_outside(m: Path, tmp: Path) -> None:
+    shutil.move(m / "model.safetensors", tmp / "elsewhere.safetensors")
+    (m / "model.safetensors").symlink_to(tmp / "elsewhere.safetensors")
+
+
+def _side_file_linked_outside(name: str):
+    def setup(m: Path, tmp: Path) -> None:  # a working file, so that a loader that follows the link succeeds
+        shutil.move(m / name, tmp / f"secret-{name}")
+        (m / name).symlink_to(tmp / f"secret-{name}")
+    return setup
+
+
+def _index_pointing_outside(m: Path, tmp: Path) -> None:
+    from safetensors import safe_open
+
+    (tmp / "elsewhere").mkdir()
+    shutil.move(m / "model.safetensors", tmp / "elsewhere" / "model.safetensors")
+    with safe_open(str(tmp / "elsewhere" / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    index = {"metadata": {}, "weight_map": {n: "../elsewhere/model.safetensors" for n in names}}
+    (m / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _truncated(m: Path, tmp: Path) -> None:
+    data = (m / "model.safetensors").read_bytes()
+    (m / "model.safetensors").write_bytes(data[:len(data) // 2])
+
+
+HOSTILE = [
+    ("a pickle that runs code", _pickle_that_runs_code),
+    ("weights linked outside the folder", _weights_linked_outside),
+    ("tokenizer.json linked outside", _side_file_linked_outside("tokenizer.json")),
+    ("config.json linked outside", _side_file_linked_outside("config.json")),
+    ("an index pointing outside", _index_pointing_outside),
+    ("truncated weights", _truncated),
+]
+COMMANDS = {
+    "merge": lambda b, m, o, d: ["merge", b, m, "-o", o, "-q"],
+    "plan": lambda b, m, o, d: ["plan", b, m, "-o", o],
+    "inspect": lambda b, m, o, d: ["inspect", b, m, "-q", "--save", f"{o}.json"],
+    "sweep": lambda b, m, o, d: ["sweep", b, m, "-o", o, "--candidate", "task_arithmetic scaling=1", "-q"],
+    "fisher": lambda b, m, o, d: ["fisher", m, "--data", d, "-o", o, "--examples", "1"],
+    "eval": lambda b, m, o, d: ["eval", m, "--tasks", "memory", "--n", "1"],
+}
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@pytest.mark.parametrize(("case", "setup"), HOSTILE, ids=[c[0] for c in HOSTILE])
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_refuses_a_hostile_model_alike(example, tmp_path: Path, capsys, command: str, case: str,
+                                                     setup) -> None:
+    """merge, plan, inspect and sweep read models through rlmerge's readers; fisher and eval handed the folder
+    to transformers, which follows a link out of it (a tokenizer or config read from elsewhere, exit 0) and
+    raised tracebacks at pickles and torn files. All now open it with rlmerge's readers first: exit 3, no code
+    from the file runs, nothing is written."""
+    if command in ("fisher", "eval"):
+        pytest.importorskip("transformers")
+    base, agents = example
+    model = tmp_path / "model"
+    shutil.copytree(agents[0], model)
+    setup(model, tmp_path)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "hello world"}) + "\n")
+    out = tmp_path / "out"
+    code = main([str(a) for a in COMMANDS[command](base, model, out, data)])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "Traceback" not in err and str(model) in err
+    assert not (tmp_path / "PWNED").exists()
+    assert not out.exists() and not (tmp_path / "out.json").exists()

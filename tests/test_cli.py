@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import sys
 import time
@@ -250,3 +252,100 @@ def test_one_weight_for_every_agent(example, tmp_path: Path, capsys) -> None:
     name = "model.layers.0.mlp.down_proj.weight"
     want = b[name].float() + sum((a[name].float() - b[name].float()) * 0.5 for a in ags)
     assert torch.allclose(one[name], want, rtol=0, atol=4e-7 * float(want.abs().max()))
+
+
+# -- messages that mislead: Rich markup ate square brackets ("pip install 'rlmerge'" for rlmerge[ray]) ---------
+SRC = Path(__file__).resolve().parents[1] / "src" / "rlmerge"
+HINT = re.compile(r"pip install (?:'[^']*'|\S+)")
+
+
+def _printable_strings() -> list[tuple[str, str]]:
+    """(file, text) of every string the code can print: every string constant in src/rlmerge but docstrings,
+    plus the docstrings of the CLI's functions (a command's is its --help)."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docs = {id(node.body[0].value) for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+                and not (path.parent.name == "cli" and isinstance(node, ast.FunctionDef))}
+        found += [(str(path.relative_to(SRC)), node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs]
+    return found
+
+
+def _hints() -> list[tuple[str, str]]:
+    return [(f, h) for f, text in _printable_strings() for h in HINT.findall(text)]
+
+
+def test_every_install_hint_the_code_can_print_keeps_its_brackets(capsys, monkeypatch) -> None:
+    """Every `pip install …` the code can print, through the console errors go to and through every command's
+    --help: `pip install 'rlmerge[ray]'` printed as `pip install 'rlmerge'` (Rich took [ray] for a tag)."""
+    from rlmerge.cli import report_error
+    from rlmerge.errors import ConfigError
+
+    hints = _hints()
+    extras = {h for _, h in hints if "rlmerge[" in h}
+    assert {"pip install 'rlmerge[ray]'", "pip install 'rlmerge[eval]'", "pip install 'rlmerge[hf]'",
+            "pip install 'rlmerge[report]'"} <= extras, hints  # the grep finds them
+    for _, hint in hints:  # as an error's message and as its hint
+        assert report_error(ConfigError(f"needs it: {hint}", hint=hint)) == 2
+        assert capsys.readouterr().err.count(hint) == 2, hint
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: nothing wraps inside a hint
+    helps = ""
+    for cmd in ("merge", "plan", "demo", "fisher", "inspect", "lab", "eval", "sweep"):
+        assert main([cmd, "--help"]) == 0
+        helps += capsys.readouterr().out
+    helps = " ".join(helps.split())
+    for f, hint in hints:
+        if f.startswith("cli/"):
+            assert hint in helps, (f, hint)
+    assert "with rlmerge[eval], lm-eval tasks" in helps  # a command's docstring
+
+
+SWEEP = ["sweep", "{base}", "{agent}", "-o", "{out}", "--candidate", "task_arithmetic scaling=1"]
+
+
+@pytest.mark.parametrize(("missing", "argv", "hint"), [
+    ("ray", ["merge", "{base}", "{agent}", "-o", "{out}", "--backend", "ray"], "pip install 'rlmerge[ray]'"),
+    ("ray", [*SWEEP, "--backend", "ray"], "pip install 'rlmerge[ray]'"),
+    ("lm_eval", [*SWEEP, "--tasks", "lm-eval:x"], "pip install 'rlmerge[eval]'"),
+    ("matplotlib", ["inspect", "{base}", "{agent}", "--plots", "{out}", "-q"], "pip install 'rlmerge[report]'"),
+    ("transformers", ["fisher", "{agent}", "--data", "{data}", "-o", "{out}"], "pip install 'rlmerge[hf]'"),
+])
+def test_an_extra_that_is_missing_is_named_whole(example, tmp_path: Path, capsys, monkeypatch, missing: str,
+                                                 argv: list[str], hint: str) -> None:
+    """The real errors, with the extra not installed (its import fails)."""
+    base, agents = example
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    monkeypatch.setitem(sys.modules, missing, None)  # `import MISSING` now raises ImportError
+    for name in [n for n in sys.modules if n.startswith(f"{missing}.")]:  # and so does a submodule imported earlier
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "rlmerge.engine.distributed", raising=False)  # imports Ray when imported
+    if missing == "lm_eval":
+        from rlmerge.lab import harness
+
+        harness._task_manager.cache_clear()
+        monkeypatch.setattr(harness, "_task_manager", harness._task_manager.__wrapped__)
+    args = [a.format(base=base, agent=agents[0], out=tmp_path / "out", data=data) for a in argv]
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert hint in " ".join(err.split()) and "Traceback" not in err
+
+
+def test_paths_and_labels_with_brackets_print_whole(example, tmp_path: Path, capsys) -> None:
+    """Folders named like `run[3]` are data, not markup: merge's table and result line, plan's and inspect's text."""
+    import shutil
+
+    base, agents = example
+    agent = tmp_path / "agent[tool]"
+    shutil.copytree(agents[1], agent)
+    out = tmp_path / "merged[1]"
+    code, stdout, err = run(capsys, "merge", base, agents[0], agent, "-o", out, "--method", "ram")
+    assert code == 0, err
+    assert "agent[tool]" in stdout and str(out) in " ".join(stdout.split())
+    code, stdout, err = run(capsys, "inspect", base, agents[0], agent)
+    assert code == 0, err
+    assert "agent[tool]" in stdout

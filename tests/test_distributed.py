@@ -9,7 +9,12 @@ locally, also when a candidate task's worker is killed.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,11 +22,89 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import rlmerge  # noqa: E402 - after the importorskip
+from rlmerge.engine import distributed  # noqa: E402
 from rlmerge.engine.distributed import FAULT_ENV, merge_on_ray  # noqa: E402
 from rlmerge.errors import OutputError  # noqa: E402
 
 SHARD = 20_000  # bytes: the tiny example's output in 3 shards
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _listener(answer: bytes | None) -> Iterator[int]:
+    """A loopback port that accepts connections and sends ``answer`` (None: says nothing)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = srv.accept()
+                held.append(conn)
+                if answer is not None:
+                    conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        srv.close()
+        for c in held:
+            c.close()
+
+
+# Before any test that starts the in-process cluster: ``init`` connects only while Ray is not initialised.
+@pytest.mark.parametrize("command", ["merge", "sweep"])
+@pytest.mark.parametrize("listening", ["nothing", "a silent service", "another service"])
+def test_an_unreachable_ray_address_fails_within_the_bound_naming_it(example, tmp_path: Path, monkeypatch, capsys,
+                                                                    command: str, listening: str) -> None:
+    """Ray itself retries an unreachable RAY_ADDRESS for minutes (20 tries of ~40 s); rlmerge gives up within
+    ``CONNECT_TIMEOUT`` (1 s here) with a ConfigError naming the address, before anything is written."""
+    from rlmerge.cli import main
+
+    assert not ray.is_initialized()
+    monkeypatch.setattr(distributed, "CONNECT_TIMEOUT", 1.0)
+    base, agents = example
+    answer = {"nothing": None, "a silent service": None, "another service": b"HTTP/1.1 400 Bad Request\r\n\r\n"}
+    with contextlib.ExitStack() as stack:
+        port = _free_port() if listening == "nothing" else stack.enter_context(_listener(answer[listening]))
+        address = f"127.0.0.1:{port}"
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        args = (["merge", str(base), *map(str, agents), "-o", str(tmp_path / "out"), "--backend", "ray", "-q"]
+                if command == "merge" else
+                ["sweep", str(base), *map(str, agents), "-o", str(tmp_path / "out"), "--backend", "ray",
+                 "--candidate", "task_arithmetic scaling=1", "-q"])
+        t0 = time.monotonic()
+        rc = main(args)
+        took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert took < 10, took  # the bound (1 s) plus the command's own checks
+    assert f"cannot reach a Ray cluster at {address}" in err and "Traceback" not in err
+    assert not ray.is_initialized()
+    assert not (tmp_path / "out").exists()  # refused before the output was claimed
+
+
+@pytest.mark.parametrize(("address", "says"), [("garbage", "'garbage' is not HOST:PORT"),
+                                              ("ray://127.0.0.1:{port}", "cannot reach a Ray cluster at ray://"),
+                                              ("[::1]:{port}", "cannot reach a Ray cluster at [::1]")])
+def test_a_ray_address_that_is_no_cluster_is_a_config_error(example, tmp_path: Path, monkeypatch, capsys,
+                                                            address: str, says: str) -> None:
+    """Beyond the issue: a RAY_ADDRESS that is not an address, a Ray Client address and an IPv6 one."""
+    from rlmerge.cli import main
+
+    base, agents = example
+    monkeypatch.setenv("RAY_ADDRESS", address.format(port=_free_port()))
+    rc = main(["merge", str(base), *map(str, agents), "-o", str(tmp_path / "out"), "--backend", "ray", "-q"])
+    err = capsys.readouterr().err
+    assert rc == 2 and says in err and "Traceback" not in err, err
+    assert not ray.is_initialized() and not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +204,27 @@ def test_a_sweep_on_ray_scores_what_it_scores_locally(cluster, example, tmp_path
     assert not cluster.exists()
     assert [s.scores for s in retried.scored] == [s.scores for s in local.scored]
     same_folder(local.kept[0], on_ray.kept[0], but=("rlmerge.json", "README.md"))  # provenance names its folder
+
+
+class FailingOnTies(Norms):
+    def __call__(self, built: rlmerge.Built) -> dict[str, float]:
+        if built.candidate.method == "ties":
+            raise ValueError("no TIES today")
+        return super().__call__(built)
+
+
+def test_a_scorer_failure_in_a_ray_task_is_recorded_as_locally(cluster, example, tmp_path: Path) -> None:
+    """The failure is the candidate's outcome on Ray too (build_and_score records it inside the task): the same
+    errors, ranking and kept checkpoints as the local sweep."""
+    base, agents = example
+    grid = ["task_arithmetic scaling=0.5,1", "ties density=0.3"]
+    local = rlmerge.sweep(base, agents, tmp_path / "local", candidates=grid, scorer=FailingOnTies(agents[0]), keep=3)
+    on_ray = rlmerge.sweep(base, agents, tmp_path / "ray", candidates=grid, scorer=FailingOnTies(agents[0]), keep=3,
+                           backend="ray", workers=2)
+    assert [(s.scores, s.error) for s in on_ray.scored] == [(s.scores, s.error) for s in local.scored]
+    assert [s.error for s in on_ray.failed] == ["ValueError: no TIES today"]
+    assert [s.candidate.id for s in on_ray.ranking] == [s.candidate.id for s in local.ranking]
+    assert [p.name for p in on_ray.kept] == ["best-1", "best-2"]
 
 
 def test_cli_merge_backend_ray_writes_the_local_bytes(cluster, example, tmp_path: Path) -> None:

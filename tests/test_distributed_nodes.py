@@ -13,21 +13,28 @@ ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 import rlmerge  # noqa: E402 - after the importorskip
+from rlmerge.engine import distributed  # noqa: E402
 from rlmerge.engine.distributed import merge_on_ray  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def two_nodes() -> None:
+def two_nodes() -> str:
     c = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     c.add_node(num_cpus=1)
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}})
-    yield
+    yield c.address
     ray.shutdown()
     c.shutdown()
+
+
+def test_the_reachability_check_accepts_a_real_head(two_nodes: str) -> None:
+    """``init``'s bounded check (one HTTP/2 round trip) passes a real Ray head, by its address and on loopback."""
+    distributed.reach(two_nodes, timeout=5)
+    distributed.reach(f"127.0.0.1:{two_nodes.rsplit(':', 1)[1]}", timeout=5)
 
 
 def test_a_merge_over_two_nodes_writes_the_local_bytes(two_nodes, example, tmp_path: Path) -> None:

@@ -15,7 +15,9 @@ Measured on the machine that recorded them (2026-12-04, x86-64 with AVX-512): th
 with 1 or 3 kernel threads (RLMERGE_THREADS), 1 or 2 torch threads, torch's CPU dispatch at AVX512, AVX2 or DEFAULT,
 and numba compiling for haswell. Numba compiling for ``generic`` x86-64 (SSE2) changes the fused path's
 rlmerge-report.json (its float32 tile sums are compiled with ``reassoc``, so their order follows the vector width)
-and nothing else: on a CPU without AVX2, or an ARM one, expect those hashes, and only those, to differ.
+and nothing else: on a CPU without AVX2, or an ARM one, expect those hashes, and only those, to differ. A host
+that LLVM names otherwise (seen: "rocketlake", on 2026-12-05) also changed them, so tests/conftest.py has numba
+compile for haswell on every x86-64 machine with AVX2.
 
 After a change that is MEANT to change output bytes, regenerate (and say why in the commit):
 

@@ -218,6 +218,84 @@ def test_fan_in_fan_out_gpt2(tmp_path: Path) -> None:
         torch.testing.assert_close(x[k], y[k], rtol=0, atol=ULPS * 2**-23 * y[k].abs().max().item())
 
 
+def _set_fan_in_fan_out(adapter: Path, value: bool) -> None:
+    """What a converter or a hand edit leaves: PEFT itself saves the flag its layers forced (it mutates its config)."""
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["fan_in_fan_out"] = value
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def _assert_merges_like_peft(base: Path, adapter: Path, tmp_path: Path, changed: list[str]) -> None:
+    """rlmerge's merge of ``adapter`` equals the merge of PEFT's merge_and_unload() of it (loaded as PEFT loads it)."""
+    with pytest.warns(UserWarning, match="fan_in_fan_out is set to"):  # PEFT says it overrides the flag
+        full = _full(base, adapter, tmp_path / "full")
+    rlmerge.merge(base, [adapter], tmp_path / "x", method="task_arithmetic", dtype="float32")
+    rlmerge.merge(base, [full], tmp_path / "y", method="task_arithmetic", dtype="float32")
+    x, y, b = load_output(tmp_path / "x"), load_output(tmp_path / "y"), load_output(base)
+    for name in changed:
+        assert not torch.equal(y[name], b[name].float()), name
+    for k in y:
+        torch.testing.assert_close(x[k], y[k], rtol=0, atol=ULPS * 2**-23 * y[k].abs().max().item(), msg=k)
+
+
+def test_fan_in_fan_out_true_on_linear_layers_is_ignored_as_peft_ignores_it(lora, tmp_path: Path) -> None:
+    """Qwen2's q/o projections are square nn.Linear layers: PEFT warns and merges W + s·B@A whatever the flag
+    says; rlmerge merged W + s·(B@A)ᵀ (and refused k/v, whose transpose has the wrong shape)."""
+    base, _, _ = lora
+    ad = _adapter(base, tmp_path / "ad", 5, r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "k_proj"])
+    _set_fan_in_fan_out(ad, True)
+    _assert_merges_like_peft(base, ad, tmp_path, ["model.layers.0.self_attn.q_proj.weight",
+                                                  "model.layers.1.self_attn.o_proj.weight",
+                                                  "model.layers.0.self_attn.k_proj.weight"])
+    notes = [w for w in dry_run(base, [ad], tmp_path / "plan").warnings if "fan_in_fan_out" in w]
+    assert notes and "Linear" in notes[0]  # PEFT's warning, said too
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-2: Conv1D layers (W stored [in, out]), the attention's c_proj square."""
+    root = tmp_path_factory.mktemp("gpt2")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(root / "base")
+    return root / "base"
+
+
+def test_fan_in_fan_out_false_on_conv1d_layers_is_overridden_as_peft_overrides_it(gpt2: Path, tmp_path: Path) -> None:
+    """GPT-2's Conv1D layers need τ = s·(B@A)ᵀ even where adapter_config.json says fan_in_fan_out: false (PEFT warns
+    and sets it): rlmerge merged the square attn.c_proj untransposed and refused c_fc."""
+    ad = _adapter(gpt2, tmp_path / "ad", 4, r=2, lora_alpha=4, target_modules=["c_attn", "c_proj", "c_fc"],
+                  fan_in_fan_out=True)
+    _set_fan_in_fan_out(ad, False)
+    _assert_merges_like_peft(gpt2, ad, tmp_path, ["transformer.h.0.attn.c_proj.weight",
+                                                  "transformer.h.0.mlp.c_fc.weight",
+                                                  "transformer.h.0.attn.c_attn.weight"])
+
+
+@pytest.mark.parametrize("config", ["no model_type", "custom code (auto_map)"])
+def test_a_square_layer_of_unknown_class_is_refused_not_guessed(gpt2: Path, tmp_path: Path, config: str) -> None:
+    """Without a transformers model_type nothing says whether a square W is a Linear or a Conv1D: refused, naming the
+    tensor; a non-square one is decided by its shape (c_attn [16, 48] is only a Conv1D's)."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(gpt2, base)
+    cfg = json.loads((base / "config.json").read_text())
+    if config == "no model_type":
+        del cfg["model_type"]
+    else:
+        cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomGPT"}
+    (base / "config.json").write_text(json.dumps(cfg))
+    square = _adapter(gpt2, tmp_path / "square", 4, r=2, target_modules=["c_proj"], fan_in_fan_out=True)
+    with pytest.raises(RLMergeError, match="cannot tell whether transformer.h.0.attn.c_proj is a Linear") as info:
+        rlmerge.merge(base, [square], tmp_path / "out")
+    assert "transformer.h.0.attn.c_proj.weight" in info.value.render() and not (tmp_path / "out").exists()
+    wide = _adapter(gpt2, tmp_path / "wide", 4, r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+    rlmerge.merge(base, [wide], tmp_path / "x", method="task_arithmetic", dtype="float32")
+    rlmerge.merge(gpt2, [wide], tmp_path / "y", method="task_arithmetic", dtype="float32")
+    assert_same_tensors(load_output(tmp_path / "x"), load_output(tmp_path / "y"))
+
+
 def _edit_config(src: Path, dst: Path, **changes: object) -> Path:
     dst.mkdir()
     (dst / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
@@ -242,6 +320,57 @@ def test_inexact_adapters_are_refused(lora, tmp_path: Path, change: dict, match:
         rlmerge.merge(base, [bad], tmp_path / "out")
     first = getattr(info.value, "problems", [info.value])[0]
     assert isinstance(first, InputError) and first.hint and not (tmp_path / "out").exists()
+
+
+def _rank_zero(src: Path, dst: Path) -> Path:
+    """layers.0's q_proj of rank 0 (A [0, in], B [out, 0]) and rank_pattern saying so: α/r divided by zero."""
+    from safetensors.torch import load_file, save_file
+
+    bad = _edit_config(src, dst, rank_pattern={"layers.0.self_attn.q_proj": 0})
+    state = load_file(bad / "adapter_model.safetensors")
+    for k in [k for k in state if "layers.0.self_attn.q_proj.lora_" in k]:
+        shape = list(state[k].shape)
+        shape["lora_A" in k and 0 or 1] = 0
+        state[k] = torch.empty(shape)
+    save_file(state, bad / "adapter_model.safetensors")
+    return bad
+
+
+PATTERNS = [  # (case, what the message says, adapter_config.json changes; None: rank 0 in the weights too)
+    ("a pattern that is no regex", "'q_proj(' is not a regular expression", {"rank_pattern": {"q_proj(": 2}}),
+    ("a rank that is text", "rank_pattern['q_proj'] = 'two'", {"rank_pattern": {"q_proj": "two"}}),
+    ("a rank that is a list", "rank_pattern['q_proj'] = [2]", {"rank_pattern": {"q_proj": [2]}}),
+    ("a fractional rank", "rank_pattern['q_proj'] = 2.5", {"rank_pattern": {"q_proj": 2.5}}),
+    ("an alpha that is text", "alpha_pattern['v_proj'] = 'x'", {"alpha_pattern": {"v_proj": "x"}}),
+    ("an alpha that is a list", "alpha_pattern['v_proj'] = [3]", {"alpha_pattern": {"v_proj": [3]}}),
+    ("patterns that are a list", "rank_pattern is a list", {"rank_pattern": ["q_proj"]}),
+    ("rank 0 in rank_pattern", "rank_pattern['layers.0.self_attn.q_proj'] = 0", None),
+    # beyond the issue: a NaN alpha merged to NaN (found only by the merge, after plan passed); a boolean rank
+    ("a NaN lora_alpha", "lora_alpha = nan is not a non-zero number", {"lora_alpha": float("nan")}),
+    ("an infinite alpha in alpha_pattern", "alpha_pattern['v_proj'] = inf", {"alpha_pattern": {"v_proj": 1e999}}),
+    ("a boolean rank", "rank_pattern['q_proj'] = True", {"rank_pattern": {"q_proj": True}}),
+]
+
+
+@pytest.mark.parametrize(("case", "needle", "changes"), PATTERNS, ids=[c[0] for c in PATTERNS])
+@pytest.mark.parametrize("command", ["merge", "plan"])
+def test_malformed_rank_and_alpha_patterns_are_typed_errors(lora, tmp_path: Path, capsys, command: str, case: str,
+                                                            needle: str, changes: dict | None) -> None:
+    """A bad regex, a non-numeric or list value, rank 0 in rank_pattern / alpha_pattern: tracebacks (re.error,
+    ValueError, TypeError, ZeroDivisionError) before; now an InputError naming the file and the key, exit 3."""
+    from rlmerge.cli import main
+
+    base, adapters, _ = lora
+    bad = tmp_path / "bad"
+    if changes is None:
+        _rank_zero(adapters[0], bad)
+    else:
+        _edit_config(adapters[0], bad, **changes)
+    rc = main([command, str(base), str(bad), "-o", str(tmp_path / "out"), *(["-q"] if command == "merge" else [])])
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    assert needle in err and str(bad / "adapter_config.json") in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_lm_head_lora_on_a_tied_base_is_refused(lora, tmp_path: Path) -> None:

@@ -14,13 +14,14 @@ import pickle
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import rlmerge
-from conftest import load_output, numba_route
+from conftest import TINY, load_output, numba_route
 from rlmerge.engine.dryrun import dry_run
 from rlmerge.errors import InputError
 from rlmerge.io.open import open_all
@@ -180,6 +181,40 @@ def test_unhandled_shards_are_refused_naming_the_tensor(verl_run: dict[str, Path
     with pytest.raises(InputError, match=match) as info:
         open_all([actor])
     assert info.value.tensor and info.value.hint
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_example(tmp_path_factory.mktemp("tiny"), shape=TINY, densities=())[0]
+
+
+@pytest.mark.parametrize("kind", ["complex", "sparse", "sparse_csr", "meta"])
+@pytest.mark.parametrize("command", ["merge", "plan"])
+def test_complex_sparse_or_meta_tensors_in_a_rank_file_are_refused_naming_them(tiny_base: Path, tmp_path: Path,
+                                                                                capsys, command: str,
+                                                                                kind: str) -> None:
+    """A single-rank verl save (a plain state dict in model_world_size_1_rank_0.pt) holding one complex, sparse or
+    meta tensor: a ValueError or NotImplementedError traceback before; now exit 3 naming the file and tensor."""
+    from rlmerge.cli import main
+
+    actor = tmp_path / "global_step_1" / "actor"
+    (actor / "huggingface").mkdir(parents=True)
+    shutil.copy(tiny_base / "config.json", actor / "huggingface" / "config.json")
+    state = {k: v.float() for k, v in load_output(tiny_base).items()}
+    name = "model.layers.0.mlp.up_proj.weight"
+    rank = actor / "model_world_size_1_rank_0.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "Sparse CSR tensor support is in beta state"
+        state[name] = {"complex": lambda t: t.to(torch.complex64), "sparse": lambda t: t.to_sparse(),
+                       "sparse_csr": lambda t: t.to_sparse_csr(),
+                       "meta": lambda t: torch.empty(t.shape, device="meta")}[kind](state[name])
+        torch.save(state, rank)
+        rc = main([command, str(tiny_base), str(actor.parent), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 3, err
+    assert f"(file {rank}, tensor {name!r})" in err and "Traceback" not in err
+    assert {"complex": "complex64", "sparse": "sparse_coo", "sparse_csr": "sparse_csr", "meta": "meta"}[kind] in err
+    assert "verl.model_merger" in err and not (tmp_path / "out").exists()
 
 
 def test_missing_rank_and_megatron_are_refused(verl_run: dict[str, Path], tmp_path: Path) -> None:

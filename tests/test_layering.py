@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("rlmerge.kernels",)),
     ("report", ("rlmerge.report",)),
     ("engine", ("rlmerge.engine",)),
-    ("tools", ("rlmerge.synthetic",)),
+    ("tools", ("rlmerge.synthetic", "rlmerge.sandbox")),
     ("edge", ("rlmerge.cli", "rlmerge.lab", "rlmerge")),
 ]
 

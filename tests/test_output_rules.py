@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +116,16 @@ def _save(w: World, out: Path, force: bool) -> list[str]:
     return ["inspect", str(w.base), *map(str, w.agents), "--save", str(out), "-q", *(["--force"] if force else [])]
 
 
-FOLDER_COMMANDS = {"merge": _merge, "fisher": _fisher, "plots": _plots}
+def _sweep(w: World, out: Path, force: bool) -> list[str]:
+    return ["sweep", str(w.base), *map(str, w.agents), "-o", str(out), "-q", "--candidate",
+            "task_arithmetic scaling=0.5,1", "--keep", "1", *(["--force"] if force else [])]
+
+
+FOLDER_COMMANDS = {"merge": _merge, "fisher": _fisher, "plots": _plots, "sweep": _sweep}
+MANIFESTS = {"sweep": "rlmerge-sweep.json"}  # the file that proves a folder rlmerge's; else rlmerge.json
+# A sweep has no partial sibling: one planted there is neither used nor touched, and the sweep goes ahead.
+EXPECT = {("sweep", "planted partial folder is a symlink to an input"): ("ok", "ok"),
+          ("sweep", "planted partial folder holds someone's file"): ("ok", "ok")}
 
 
 def _write_previous(cmd: str, w: World, out: Path) -> None:
@@ -188,8 +198,9 @@ def _previous_output_with_a_user_file(w: World, cmd: str) -> Path:
 
 def _previous_output_with_a_changed_file(w: World, cmd: str) -> Path:
     _write_previous(cmd, w, w.root / "out")
-    manifest = w.root / "out" / "rlmerge.json"
-    victim = next(p for p in sorted((w.root / "out").iterdir()) if p != manifest)
+    manifest = w.root / "out" / MANIFESTS.get(cmd, "rlmerge.json")
+    victim = next(p for p in sorted((w.root / "out").iterdir())
+                  if p != manifest and p.is_file() and not p.name.startswith("."))
     victim.write_bytes(victim.read_bytes() + b"edited by the user")
     return w.root / "out"
 
@@ -218,7 +229,8 @@ FOLDER_CASES: list[tuple[str, Callable[[World, str], Path], str, str]] = [
 ]
 
 
-def _check(w: World, before: dict[str, tuple], code: int, expect: str, out: Path, err: str) -> None:
+def _check(w: World, before: dict[str, tuple], code: int, expect: str, out: Path, err: str,
+           manifest: str = "rlmerge.json") -> None:
     after = tree(w.root)
     if expect == REFUSED:
         assert code == 4, err
@@ -229,7 +241,7 @@ def _check(w: World, before: dict[str, tuple], code: int, expect: str, out: Path
     rel = os.path.relpath(out, w.root)
     mine = {k for k in set(before) | set(after) if k == rel or k.startswith(rel + os.sep)}
     assert {k: v for k, v in after.items() if k not in mine} == {k: v for k, v in before.items() if k not in mine}
-    assert (out / "rlmerge.json").is_file()
+    assert (out / manifest).is_file()
 
 
 @pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
@@ -243,16 +255,143 @@ def test_folder_outputs(world: World, cmd: str, case: str, setup, plain: str, fo
         pytest.importorskip("matplotlib")
     monkeypatch.chdir(world.root)
     out = setup(world, cmd)  # the setup may run the command for real
+    plain, forced = EXPECT.get((cmd, case), (plain, forced))
     expect = forced if force else plain
     before = tree(world.root)
     with contextlib.nullcontext() if expect == OK else no_weight_reads():
         code = main(FOLDER_COMMANDS[cmd](world, out, force))
-    _check(world, before, code, expect, out, capsys.readouterr().err)
+    _check(world, before, code, expect, out, capsys.readouterr().err, MANIFESTS.get(cmd, "rlmerge.json"))
     if cmd == "merge" and expect == REFUSED:  # plan reports exactly what merge refuses, and writes nothing either
         with no_weight_reads():
             code = main(_plan(world, out, force))
         assert code == 4, capsys.readouterr().err
         assert tree(world.root) == before
+
+
+# -- manifests that lie: one rule (partial.listed_problem) for what a manifest may delete ------------------------
+def _victim(w: World) -> tuple[Path, dict[str, int]]:
+    """A user's file, and the record a manifest would give it (so that a size or checksum check cannot save it)."""
+    victim = w.root / "user" / "notes.txt"
+    data = victim.read_bytes()
+    return victim, {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+
+def _list_in(manifest: Path, *names: str, rec: dict[str, int]) -> None:
+    doc = json.loads(manifest.read_text())
+    doc["files"].update({n: rec for n in names})
+    manifest.write_text(json.dumps(doc))
+
+
+def _sweep_lists_outside(w: World) -> tuple[list[str], Path]:
+    out = w.root / "out"
+    victim, rec = _victim(w)
+    _list_in(out / "rlmerge-sweep.json", "cache/../../user/notes.txt", "../user/notes.txt", str(victim), rec=rec)
+    return _sweep(w, out, True), out
+
+
+def _sweep_lists_one_outside(name: str) -> Callable[[World], tuple[list[str], Path]]:
+    def setup(w: World) -> tuple[list[str], Path]:
+        out = w.root / "out"
+        _list_in(out / "rlmerge-sweep.json", name.format(root=w.root), rec=_victim(w)[1])
+        return _sweep(w, out, True), out
+    return setup
+
+
+def _sweep_cache_is_a_link(w: World) -> tuple[list[str], Path]:
+    out = w.root / "out"
+    shutil.rmtree(out / "cache")
+    (out / "cache").symlink_to(w.root / "user", target_is_directory=True)
+    _list_in(out / "rlmerge-sweep.json", "cache/notes.txt", rec=_victim(w)[1])
+    return _sweep(w, out, True), out
+
+
+def _kept_checkpoint_lists_outside(w: World) -> tuple[list[str], Path]:
+    out = w.root / "out"
+    _list_in(out / "best-1" / "rlmerge.json", "../../user/notes.txt", rec=_victim(w)[1])
+    return _sweep(w, out, True), out
+
+
+def _stale_checkpoint_lists_outside(w: World) -> tuple[list[str], Path]:
+    """A --resume keeping fewer checkpoints than the earlier run removes the stale best-2."""
+    out = w.root / "out"
+    _list_in(out / "best-2" / "rlmerge.json", "../../user/notes.txt", rec=_victim(w)[1])
+    return [*_sweep(w, out, False), "--resume"], out
+
+
+def _candidate_folder_lists_outside(w: World) -> tuple[list[str], Path]:
+    """A scored candidate's folder left behind, whose manifest lists a user's file; the sweep merges there."""
+    out = w.root / "out"
+    shutil.copytree(out / "best-1", out / "candidate-0123456789ab")
+    _list_in(out / "candidate-0123456789ab" / "rlmerge.json", "../../user/notes.txt", rec=_victim(w)[1])
+    return [*_sweep(w, out, False), "--resume"], out
+
+
+def _kept_checkpoint_is_a_link(name: str) -> Callable[[World], tuple[list[str], Path]]:
+    """best-1 (or a candidate folder) replaced by a link to an rlmerge output of the user's elsewhere: --force
+    must not empty it."""
+    def setup(w: World) -> tuple[list[str], Path]:
+        out = w.root / "out"
+        mine = w.root / "user" / "my-merge"
+        assert main(_merge(w, mine, False)) == 0
+        shutil.rmtree(out / "best-1")
+        (out / name).symlink_to(mine, target_is_directory=True)
+        return _sweep(w, out, True), out
+    return setup
+
+
+def _cache_entry_is_a_link(w: World) -> tuple[list[str], Path]:
+    out = w.root / "out"
+    entry = next((out / "cache").iterdir())
+    entry.unlink()
+    entry.symlink_to(w.root / "user" / "notes.txt")
+    return _sweep(w, out, True), out
+
+
+def _merge_output_lists_outside(w: World) -> tuple[list[str], Path]:
+    out = w.root / "merged"
+    assert main(_merge(w, out, False)) == 0
+    _list_in(out / "rlmerge.json", "../user/notes.txt", rec=_victim(w)[1])
+    return _merge(w, out, True), out
+
+
+LIES: list[tuple[str, Callable[[World], tuple[list[str], Path]]]] = [
+    ("sweep --force: its manifest lists files outside", _sweep_lists_outside),
+    ("sweep --force: cache/../../FILE", _sweep_lists_one_outside("cache/../../user/notes.txt")),
+    ("sweep --force: ../FILE", _sweep_lists_one_outside("../user/notes.txt")),
+    ("sweep --force: an absolute path", _sweep_lists_one_outside("{root}/user/notes.txt")),
+    ("sweep --force: a name in another sub-folder", _sweep_lists_one_outside("best-1/../../user/notes.txt")),
+    ("sweep --force: cache is a link out", _sweep_cache_is_a_link),
+    ("sweep --force: a kept checkpoint's manifest", _kept_checkpoint_lists_outside),
+    ("sweep --resume: a stale best-N's manifest", _stale_checkpoint_lists_outside),
+    ("sweep --resume: a candidate folder's manifest", _candidate_folder_lists_outside),
+    ("merge --force: its manifest lists a file outside", _merge_output_lists_outside),
+    # beyond the issue's list
+    ("sweep --force: a NUL in a listed name", _sweep_lists_one_outside("cache/a\u0000b")),
+    ("sweep --force: best-1 is a link to the user's merge", _kept_checkpoint_is_a_link("best-1")),
+    ("sweep --force: a candidate folder is a link to the user's merge",
+     _kept_checkpoint_is_a_link("candidate-0123456789ab")),
+    ("sweep --force: a cache entry is a link to the user's file", _cache_entry_is_a_link),
+]
+
+
+@pytest.mark.parametrize(("case", "setup"), LIES, ids=[c[0] for c in LIES])
+def test_a_manifest_naming_anything_outside_its_folder_deletes_nothing(world: World, case: str, setup,
+                                                                        monkeypatch, capsys) -> None:
+    """`sweep --force` used to delete every name its manifests listed: `cache/../../victim.txt` deleted a user's
+    file outside the sweep folder, exit 0. A name that is not a file of the folder itself (absolute, with `..`, in
+    another sub-folder, through a link) makes the whole folder foreign: refused (exit 4), nothing deleted."""
+    monkeypatch.chdir(world.root)
+    assert main([*_sweep(world, world.root / "out", False)[:-2], "--keep", "2"]) == 0  # best-1 and best-2
+    capsys.readouterr()
+    args, out = setup(world)
+    before = tree(world.root)
+    with no_weight_reads():  # refused before any weight is read
+        code = main(args)
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert tree(world.root) == before
+    assert (world.root / "user" / "notes.txt").read_text() == "a user's own file\n"
+    assert "Traceback" not in err and str(out.name) in err
 
 
 # -- a single output file: inspect --save -------------------------------------------------------------------

@@ -166,6 +166,96 @@ def test_quoted_booleans_in_a_recipe_mean_what_they_say(example, tmp_path: Path,
     assert code == 2 and "is not a boolean" in capsys.readouterr().err
 
 
+def _without_norm(agent: Path, dst: Path) -> Path:
+    shutil.copytree(agent, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    state.pop(NORM)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _recipe(kind: str, path: Path, base: Path, models: list[Path], settings: dict[str, str]) -> list[str]:
+    """A merge recipe (settings under ``options:``) or a sweep recipe (settings at the top), and its command."""
+    listed = "".join(f"  - model: {a}\n" for a in models)
+    given = "".join(f"{k}: {v}\n" for k, v in settings.items())
+    if kind == "merge":
+        opts = "options: {" + ", ".join(f"{k}: {v}" for k, v in settings.items()) + "}\n" if settings else ""
+        path.write_text(f"merge_method: task_arithmetic\nbase_model: {base}\nmodels:\n{listed}{opts}")
+        return ["merge", "--recipe", str(path), "-q"]
+    path.write_text(f"base_model: {base}\nmodels:\n{listed}candidates:\n  - task_arithmetic scaling=1\n{given}")
+    return ["sweep", "--recipe", str(path), "-q"]
+
+
+# (key, YAML value, exit code for merge's options: and sweep's recipe alike, what the error says)
+RECIPE_VALUES = [
+    ("allow_missing", '"false"', 3, "missing from the agent"),  # over an agent missing a tensor
+    ("allow_missing", '"true"', 0, None),
+    ("allow_missing", '"maybe"', 2, "is not a boolean"),
+    ("count_tied_twice", '"false"', 0, None),
+    ("seed", "abc", 2, "'seed'"),
+    ("seed", "1.5", 2, "'seed'"),
+    ("seed", '"7"', 0, None),
+    ("block_size", "1.5", 2, "'block_size'"),
+    ("block_size", '"64"', 0, None),
+    ("block_size", "0", 2, "block"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "code", "needle"), RECIPE_VALUES,
+                         ids=[f"{k}={v}" for k, v, _, _ in RECIPE_VALUES])
+@pytest.mark.parametrize("kind", ["merge", "sweep"])
+def test_one_parser_types_the_recipe_keys_of_merge_and_sweep(example, tmp_path: Path, capsys, kind: str, key: str,
+                                                             value: str, code: int, needle: str | None) -> None:
+    """The merge recipe's options and the sweep recipe's settings go through one typed parser (params.parse_params):
+    a sweep counted `allow_missing: "false"` as true (the missing tensor merged silently) and died with a ValueError
+    on `seed: abc`."""
+    base, agents = example
+    models = [agents[0], _without_norm(agents[1], tmp_path / "missing")] if key == "allow_missing" else agents
+    args = _recipe(kind, tmp_path / "r.yaml", base, models, {key: value})
+    rc = main([*args, "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == code, err
+    assert "Traceback" not in err
+    if needle is not None:
+        assert needle in err
+
+
+def test_a_sweep_recipes_bad_settings_are_reported_together(example, tmp_path: Path, capsys) -> None:
+    base, agents = example
+    bad = {"seed": "abc", "keep": "-1", "limit": "0", "backend": "rays", "memory": "sometimes", "allow_missing":
+           '"maybe"', "tasks": "5", "kep": "1"}
+    rc = main([*_recipe("sweep", tmp_path / "r.yaml", base, agents, bad), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    for word in ("'seed'", "keep = -1", "limit = 0", "'rays'", "'sometimes'", "'allow_missing'", "kep"):
+        assert word in err, word
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_quoted_keep_keeps_that_many(example, tmp_path: Path) -> None:
+    """`keep: "1"` died with a TypeError (str < int); typed like --keep 1 (as `block_size: "64"` is), it keeps one."""
+    base, agents = example
+    args = _recipe("sweep", tmp_path / "r.yaml", base, agents, {"keep": '"1"'})
+    args[-1:] = ["--candidate", "task_arithmetic scaling=0.5", "-q"]  # two candidates
+    assert main([*args, "-o", str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").glob("best-*")) == ["best-1"]
+
+
+@pytest.mark.parametrize(("args", "needle"), [(["--block-size", "0"], "block size 0"),
+                                              (["--block-size", "-3"], "block size -3"),
+                                              (["--device", "tpu"], "unknown device 'tpu'")])
+def test_inspect_refuses_the_arguments_merge_refuses(example, tmp_path: Path, capsys, args: list[str],
+                                                     needle: str) -> None:
+    """`inspect --block-size 0` died with a ValueError from the block reader, after opening every input."""
+    base, agents = example
+    with pytest.MonkeyPatch.context() as mp:  # refused before a weight is read
+        mp.setattr(Checkpoint, "read_f32", lambda *a, **k: pytest.fail("a weight was read"))
+        rc = main(["inspect", str(base), *map(str, agents), "-q", *args])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert needle in err and "Traceback" not in err
+
+
 def test_narrower_agents_than_the_base_are_warned_about(tmp_path: Path, capsys) -> None:
     """bf16 agents over an fp32 base look dense: every base value rounded to bf16 counts as a change."""
     base, agents = make_example(tmp_path / "in", shape=TINY, dtype=torch.float32)

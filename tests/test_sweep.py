@@ -18,7 +18,7 @@ import torch
 import rlmerge
 from conftest import CHAT_TEMPLATE, assert_same_tensors, lab_checkpoints, load_output
 from rlmerge.engine.candidates import parse_all, parse_grid
-from rlmerge.errors import ConfigError, OutputError, RLMergeError
+from rlmerge.errors import ConfigError, InputError, OutputError, RLMergeError
 from rlmerge.report.sweep import pareto
 
 GRIDS = ["ram+ r=0.05,0.2 alpha=1,2", "ties density=0.2,0.5", "task_arithmetic scaling=0.5,1.0"]
@@ -60,6 +60,9 @@ def test_grid_grammar() -> None:
         parse_grid("task_arithmetic scaling=1 seed=0,1")
     with pytest.raises(ConfigError, match="KEY=V1"):
         parse_grid("ties density")
+    for seed in (1.5, True, "x"):  # a recipe candidate's seed is typed as the recipe's: int(1.5) was 1
+        with pytest.raises(ConfigError, match="is not a whole number"):
+            parse_all([{"method": "dare_ties", "parameters": {"density": 0.5}, "seed": seed}])
     with pytest.raises(RLMergeError) as e:  # every bad candidate at once
         parse_all(["ram+ r=abc", "ties density=7"])
     assert "r=abc" in str(e.value.render()) and "density=7" in str(e.value.render())
@@ -115,8 +118,8 @@ def test_a_candidate_built_on_disk_scores_what_it_scores_in_memory(example, tmp_
     assert not list((tmp_path / "sweep").glob("candidate-*"))
 
 
-class Stop(Exception):
-    pass
+class Stop(KeyboardInterrupt):
+    """A sweep stopped (Ctrl-C) while scoring: a scorer's other exceptions are the candidate's outcome instead."""
 
 
 def test_resume_scores_only_what_a_stopped_sweep_did_not_finish(example, tmp_path: Path) -> None:
@@ -141,6 +144,81 @@ def test_resume_scores_only_what_a_stopped_sweep_did_not_finish(example, tmp_pat
     with pytest.raises(OutputError, match="other inputs or with other scoring settings"):
         rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=GRIDS, scorer=rest, resume=True,
                       settings={"tasks": ["other"]})
+
+
+class Failing(Distance):
+    """Raises on the candidates whose label contains ``on`` (a scorer that cannot score some models)."""
+
+    def __init__(self, agents: list[Path], on: str) -> None:
+        super().__init__(agents)
+        self.on = on
+
+    def __call__(self, built: rlmerge.Built) -> dict[str, float]:
+        if self.on in built.candidate.label:
+            raise RuntimeError(f"cannot score {built.candidate.label}")
+        return super().__call__(built)
+
+
+def test_a_scorer_failure_is_recorded_on_its_candidate_and_the_sweep_goes_on(example, tmp_path: Path) -> None:
+    """The sweep used to die with the scorer's exception. Now it is the candidate's outcome: its message in
+    results.json and report.md, ranked last, never kept (keep=3 keeps the two that scored), and --resume scores
+    it again (and only it)."""
+    base, agents = example
+    grid = ["task_arithmetic scaling=0.5,1", "ties density=0.2"]
+    res = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=grid, scorer=Failing(agents, "scaling=0.5"),
+                        keep=3, memory="always")
+    (bad,) = res.failed
+    assert bad.candidate.label == "task_arithmetic scaling=0.5" and bad.scores == {}
+    assert bad.error == "RuntimeError: cannot score task_arithmetic scaling=0.5"
+    assert res.ranking[-1] is bad and all(s.scores for s in res.ranking[:-1])
+    assert [p.name for p in res.kept] == ["best-1", "best-2"]
+    doc = json.loads((tmp_path / "sweep" / "results.json").read_text())
+    rec = next(c for c in doc["candidates"] if c["id"] == bad.candidate.id)
+    assert rec["error"] == bad.error and rec["average"] is None
+    assert bad.candidate.id not in doc["kept"].values() and doc["ranking"][-1] == bad.candidate.id
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert "2 of 3 scored, 1 failed" in report and f"`{bad.candidate.label}`: {bad.error}" in report
+    again = Distance(agents)
+    res = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=grid, scorer=again, keep=3, memory="always",
+                        resume=True)
+    assert again.calls == 1 and not res.failed and len(res.kept) == 3
+
+
+def test_a_scorer_failing_on_every_candidate_ends_the_sweep_with_its_message(example, tmp_path: Path) -> None:
+    base, agents = example
+    with pytest.raises(InputError, match="failed on every candidate .2., so nothing could be scored: "
+                                         "RuntimeError: cannot score task_arithmetic") as info:
+        rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=["task_arithmetic scaling=0.5,1"],
+                      scorer=Failing(agents, "task_arithmetic"), keep=1)
+    assert info.value.file == str(tmp_path / "sweep" / "results.json")
+    doc = json.loads((tmp_path / "sweep" / "results.json").read_text())
+    assert [c["error"] for c in doc["candidates"]] == [f"RuntimeError: cannot score task_arithmetic scaling={v}"
+                                                       for v in ("0.5", "1")]
+    assert doc["kept"] == {} and not list((tmp_path / "sweep").glob("best-*"))
+
+
+def test_resume_redoes_a_record_it_cannot_read_back(example, tmp_path: Path) -> None:
+    """Beyond the issue: results.json records an older rlmerge (or an edit) left unreadable (a field missing, a score
+    that is text), with the folder's manifest updated to match, were a KeyError or a TypeError on --resume; such a
+    candidate is merged and scored again, the others are kept."""
+    import zlib
+
+    base, agents = example
+    grid = ["task_arithmetic scaling=0.5,1", "ties density=0.2"]
+    first = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=grid, scorer=Distance(agents))
+    results, manifest = tmp_path / "sweep" / "results.json", tmp_path / "sweep" / "rlmerge-sweep.json"
+    doc = json.loads(results.read_text())
+    del doc["candidates"][0]["where"]
+    doc["candidates"][1]["scores"] = {"near1": "high"}
+    data = json.dumps(doc).encode()
+    results.write_bytes(data)
+    listing = json.loads(manifest.read_text())
+    listing["files"]["results.json"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    manifest.write_text(json.dumps(listing))
+    again = Distance(agents)
+    res = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=grid, scorer=again, resume=True)
+    assert again.calls == 2
+    assert [s.scores for s in res.scored] == [s.scores for s in first.scored]
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +283,52 @@ def test_cli_the_live_table_appears_with_the_first_candidate_not_before_the_chec
     assert "rlmerge sweep: 2 candidate(s) scored" in capsys.readouterr().err
 
 
+def test_cli_a_lab_task_over_models_without_a_tokenizer_fails_per_candidate(tmp_path: Path, capsys) -> None:
+    """`lab:coding` over models without tokenizer files merged, then died with an IndexError from `generate`
+    (AutoTokenizer builds an empty tokenizer from config.json alone), `--resume` the same. Now each candidate's
+    failure is recorded, the sweep ends with the message and exit 3; with the tokenizer back, --resume scores them."""
+    pytest.importorskip("transformers")
+    from rlmerge.cli import main
+
+    base, agents = lab_checkpoints(tmp_path / "in")
+    tokenizer = {p.name: p.read_bytes() for p in base.iterdir() if p.name.startswith("tokenizer")}
+    for folder in (base, *agents):
+        for name in tokenizer:
+            (folder / name).unlink()
+    out = tmp_path / "sweep"
+    args = ["sweep", str(base), *map(str, agents), "-o", str(out), "--candidate", "task_arithmetic scaling=0.5,1",
+            "--tasks", "lab:coding", "--limit", "2", "--keep", "1", "-q"]
+    for extra in ([], ["--resume"]):
+        assert main([*args, *extra]) == 3
+        err = capsys.readouterr().err
+        assert "the scorer failed on every candidate (2)" in err and "no tokenizer files" in err, err
+        assert "Traceback" not in err and str(base) in err
+        doc = json.loads((out / "results.json").read_text())
+        assert all("no tokenizer files" in c["error"] for c in doc["candidates"]) and doc["kept"] == {}
+        assert (out / "report.md").read_text().count("no tokenizer files") == 2
+    for name, data in tokenizer.items():
+        (base / name).write_bytes(data)
+    assert main([*args, "--resume"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert not any("error" in c for c in doc["candidates"]) and list(doc["kept"]) == ["best-1"]
+
+
+def test_cli_the_first_sweep_over_the_demos_models_scores(tmp_path: Path, capsys) -> None:
+    """`rlmerge demo`, then a sweep over its models with --tasks lab:tool_use: the demo's tokenizer has no padding
+    token and transformers refused to pad ("tokenizer does not have a padding token"); generation pads with eos."""
+    pytest.importorskip("transformers")
+    from rlmerge.cli import main
+
+    assert main(["demo", "--workdir", str(tmp_path / "demo")]) == 0
+    inputs = tmp_path / "demo" / "inputs"
+    rc = main(["sweep", str(inputs / "base"), *(str(inputs / a) for a in ("coder", "tool-use", "memory")), "-o",
+               str(tmp_path / "sweep"), "--candidate", "ram+", "--tasks", "lab:tool_use", "--limit", "2", "--json"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "sweep" / "results.json").read_text())
+    assert "error" not in doc["candidates"][0] and doc["candidates"][0]["scores"]["lab:tool_use"] >= 0
+
+
 def test_cli_lab_view_chat_scores_as_the_lab_scores_an_instruct_model(tmp_path: Path) -> None:
     """``--lab-view chat`` (an instruct model such as SmolLM2) reaches the scorer: the kept checkpoint, scored by the
     lab's own scorer through the chat view from disk, gives what the sweep recorded."""
@@ -224,6 +348,26 @@ def test_cli_lab_view_chat_scores_as_the_lab_scores_an_instruct_model(tmp_path: 
     assert doc["candidates"][0]["scores"]["lab:coding"] == pytest.approx(want, abs=1e-9)
     assert main(["sweep", str(base), str(agents[0]), "-o", str(tmp_path / "x"), "--candidate", "ram r=1",
                  "--tasks", "lab:coding", "--lab-view", "voice"]) == 2
+
+
+def test_cli_coding_scores_are_refused_before_any_merge_where_code_cannot_be_isolated(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from rlmerge.cli import main
+    from rlmerge.sandbox import BWRAP_ENV, UNSAFE_ENV
+
+    base, agents = lab_checkpoints(tmp_path / "in")
+    monkeypatch.setenv(BWRAP_ENV, str(tmp_path / "no-such-bwrap"))  # as on a machine without bubblewrap
+    monkeypatch.setenv(UNSAFE_ENV, "0")  # (restored after the test: the flag sets it for the whole process)
+    args = ["sweep", str(base), *map(str, agents), "--candidate", "task_arithmetic scaling=1", "--tasks",
+            "lab:memory,lab:coding", "--limit", "2", "-q"]
+    assert main([*args, "-o", str(tmp_path / "refused")]) == 2
+    assert "apt-get install bubblewrap" in " ".join(capsys.readouterr().err.split())
+    assert not (tmp_path / "refused").exists()  # refused before anything was merged or written
+    with pytest.warns(RuntimeWarning, match="WITHOUT isolation"):
+        assert main([*args, "-o", str(tmp_path / "opted-in"), "--unsafe-unisolated-code"]) == 0
+    scores = json.loads((tmp_path / "opted-in" / "results.json").read_text())["candidates"][0]["scores"]
+    assert set(scores) == {"lab:memory", "lab:coding"}
 
 
 def test_long_candidate_labels_are_cut_on_the_plot_only() -> None:

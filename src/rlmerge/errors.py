@@ -53,6 +53,22 @@ class OutputError(RLMergeError):
     exit_code = 4
 
 
+class SandboxUnavailable(ConfigError):
+    """Model-written code would have to run, and this machine cannot isolate it (``rlmerge.sandbox``)."""
+
+
+class ScorerError(RLMergeError):
+    """A scorer could not score a candidate: a command's exit status, output that is not a score, a time-out, a
+    number that is not finite. ``stderr`` is the tail of a command's standard error (also in the message)."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, *, file: str | None = None, hint: str | None = None,
+                 stderr: str = "") -> None:
+        self.stderr = stderr
+        super().__init__(message, file=file, hint=hint)
+
+
 class Interrupted(RLMergeError):
     """Ctrl-C or SIGTERM stopped a command (the CLI's form of KeyboardInterrupt)."""
 

@@ -41,6 +41,11 @@ def parse_params(cls: type, values: Mapping[str, Any], *, where: str) -> Any:
     return params
 
 
+def coerce(value: Any, hint: Any) -> Any:
+    """One loose value as ``hint`` (what ``parse_params`` does per field); ValueError or TypeError when it is not."""
+    return _coerce(value, hint)
+
+
 def _coerce(value: Any, hint: Any) -> Any:
     """Turn CLI/YAML text into the annotated type (float, int, bool, Literal, tuple, Optional)."""
     origin = typing.get_origin(hint)

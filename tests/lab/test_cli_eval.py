@@ -84,10 +84,11 @@ def test_eval_refuses_an_unknown_task(checkpoint: Path) -> None:
     assert "'chess'" in message and "tool_use, coding, memory" in message
 
 
-def _oracle_accuracy(checkpoint: Path) -> float:
-    """Argmax over choices of log p(" " + choice | question), summed over the choice's tokens."""
+def oracle_each(checkpoint: Path) -> list[float]:
+    """Per document, 1.0 when the argmax over choices of log p(" " + choice | question), summed over the choice's
+    tokens, is the gold choice (also the oracle of tests/test_scoring_lmeval.py)."""
     model, tok = load_checkpoint(checkpoint)
-    right = 0
+    right = []
     for doc in DOCS:
         lls = []
         for choice in doc["choices"]:
@@ -97,8 +98,12 @@ def _oracle_accuracy(checkpoint: Path) -> float:
                 logits = model(torch.tensor([ctx + cont])).logits[0].float()
             logp = torch.log_softmax(logits[len(ctx) - 1 : -1], dim=-1)
             lls.append(sum(logp[i, t].item() for i, t in enumerate(cont)))
-        right += int(max(range(len(lls)), key=lls.__getitem__) == doc["gold"])
-    return right / len(DOCS)
+        right.append(float(max(range(len(lls)), key=lls.__getitem__) == doc["gold"]))
+    return right
+
+
+def _oracle_accuracy(checkpoint: Path) -> float:
+    return sum(oracle_each(checkpoint)) / len(DOCS)
 
 
 @pytest.mark.slow
@@ -159,3 +164,23 @@ def test_unknown_task_through_the_console_entry_is_a_message_not_a_traceback(
     stderr = capsys.readouterr().err
     assert "error: --tasks:" in stderr and "'chess'" in stderr
     assert "Traceback" not in stderr
+
+
+def test_coding_is_refused_where_code_cannot_be_isolated_unless_the_user_opts_in(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rlmerge.cli import main
+    from rlmerge.sandbox import BWRAP_ENV, UNSAFE_ENV
+
+    monkeypatch.setenv(BWRAP_ENV, str(checkpoint / "no-such-bwrap"))  # as on a machine without bubblewrap
+    monkeypatch.setenv(UNSAFE_ENV, "0")  # (restored after the test: the flag sets it for the whole process)
+    assert main(["eval", str(checkpoint), "--tasks", "memory,coding", "--n", "2"]) == 2
+    message = " ".join(capsys.readouterr().err.split())
+    assert "apt-get install bubblewrap" in message and "--unsafe-unisolated-code" in message
+    assert "Traceback" not in message
+    assert main(["eval", str(checkpoint), "--tasks", "memory", "--n", "2"]) == 0  # no model code to run
+    capsys.readouterr()
+    with pytest.warns(RuntimeWarning, match="WITHOUT isolation"):
+        assert main(["eval", str(checkpoint), "--tasks", "coding", "--n", "2", "--json",
+                     "--unsafe-unisolated-code"]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == {"coding"}

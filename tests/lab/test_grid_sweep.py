@@ -164,6 +164,23 @@ def test_a_one_point_grid_is_merged_and_kept_but_not_scored(lab, tmp_path: Path)
     _same_checkpoint(only.path, alone.output)
 
 
+@pytest.mark.parametrize("failing", ["scaling=0.5", "scaling"], ids=["one candidate", "every candidate"])
+def test_a_scorer_failure_stops_the_lab_row(lab, tmp_path: Path, failing: str) -> None:
+    """The sweep records a scorer's failure and goes on; a lab row must not quietly pick among what scored (nor be
+    skipped as a merge the engine refused): it raises, as it did before the sweep recorded failures."""
+    base, agents = lab
+
+    def score(built: rlmerge.Built) -> dict[str, float]:
+        if failing in built.candidate.label:
+            raise ValueError("the lab scorer broke")
+        return {"x": 1.0}
+
+    with pytest.raises(RuntimeError, match="the lab scorer broke") as info:
+        evaluate_candidates(base, agents, "task_arithmetic", [{"scaling": 0.5}, {"scaling": 1.0}], tmp_path / "s",
+                            score)
+    assert type(info.value) is RuntimeError  # not the lab's MergeFailed (a row it skips)
+
+
 def test_equal_averages_are_ties_whatever_their_float_rounding(example, tmp_path: Path) -> None:
     """3 of 48 right over three tasks averages 2.0833333333333335 % as (3, 0, 0) and 2.083333333333333 % as
     (2, 1, 0): the first candidate in grid order must win, as the lab's pick always did."""

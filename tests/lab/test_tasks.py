@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from rlmerge.lab.tasks import FAMILIES, Example, make_family, make_split
-from rlmerge.lab.tasks.coding import Coding
+from rlmerge.lab.tasks.coding import Coding, static_check
 from rlmerge.lab.tasks.memory import CODES, Memory
 from rlmerge.lab.tasks.tool_use import ToolUse
 
@@ -67,6 +68,35 @@ MAX_EX = Example(
 )
 def test_coding_scorer(answer: str, score: float) -> None:
     assert Coding(timeout_s=1.0).score(answer, MAX_EX) == score
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nos.system('touch /tmp/pwned')",
+        "from subprocess import run",
+        "open('/etc/passwd').read()",
+        "__import__('os').system('id')",
+        "().__class__.__base__.__subclasses__()",
+        "eval('1+1')",
+        "exec('x=1')",
+        "getattr(print, '__self__')",
+    ],
+)
+def test_answers_that_reach_for_the_system_are_refused_before_running(code: str) -> None:
+    # The lab's friendly early refusal (one-line answers need none of this); the sandbox is the boundary.
+    assert static_check(code) is not None
+    assert Coding().score(code, MAX_EX) == 0.0
+
+
+def test_answers_run_isolated(tmp_path: Path) -> None:
+    # Passes the ban-list (no import, no underscore attribute) and creates a folder: the answer runs (and is right),
+    # but the folder is made in its own scratch (/tmp inside is a private tmpfs), never on this machine.
+    made = tmp_path / "made-by-an-answer"
+    answer = f"b = (x for x in []).gi_frame.f_builtins; b['__im' + 'port__']('os').makedirs({str(made)!r}); print(9)"
+    assert static_check(answer) is None
+    assert Coding().score(answer, MAX_EX) == 1.0
+    assert not made.exists()
 
 
 def test_coding_reward_gives_partial_credit_for_running_code() -> None:

@@ -86,3 +86,18 @@ def test_the_cli_refuses_before_training(tmp_path: Path) -> None:
     (tmp_path / "precious.txt").write_text("keep me")
     assert main(["lab", "--size", "smoke", "--out", str(tmp_path)]) == OutputError.exit_code
     assert sorted(p.name for p in tmp_path.iterdir()) == ["precious.txt"]
+
+
+def test_the_cli_refuses_before_training_where_model_code_cannot_be_isolated(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("trl", reason="the lab extra (rlmerge[lab]) is not installed")
+    from rlmerge.cli import main
+    from rlmerge.sandbox import BWRAP_ENV, UNSAFE_ENV
+
+    monkeypatch.setenv(BWRAP_ENV, str(tmp_path / "no-such-bwrap"))  # as on a machine without bubblewrap
+    monkeypatch.delenv(UNSAFE_ENV, raising=False)
+    for args in (["--out", str(tmp_path / "lab")], ["--mechanism-from", str(tmp_path / "seed0"),
+                                                    "--out", str(tmp_path / "mechanism")]):
+        assert main(["lab", "--size", "smoke", *args]) == 2
+        assert "apt-get install bubblewrap" in " ".join(capsys.readouterr().err.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing trained, no folder claimed

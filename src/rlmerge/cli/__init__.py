@@ -7,12 +7,13 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from inspect import cleandoc  # (the package's own .inspect submodule would shadow `inspect`)
 from typing import Any
 
 import typer
 
 from ..errors import Interrupted, RLMergeError
-from .console import err
+from .console import err, escape
 from .demo import demo_command
 from .fisher import fisher_command
 from .inspect import inspect_command
@@ -62,14 +63,19 @@ def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
     return None
 
 
-app.command("merge")(_interruptible(merge_command))
-app.command("plan")(plan_command)
-app.command("demo")(_interruptible(demo_command))
-app.command("fisher")(_interruptible(fisher_command))
-app.command("inspect")(_interruptible(inspect_command))
-app.command("lab")(_interruptible(lab_command))
-app.command("eval")(eval_command)
-app.command("sweep")(_interruptible(sweep_command))
+def _command(name: str, fn: Callable[..., None], *, interruptible: bool = True) -> None:
+    """Register a command; its docstring is its help, as text (typer reads help as Rich markup)."""
+    app.command(name, help=escape(cleandoc(fn.__doc__ or "")))(_interruptible(fn) if interruptible else fn)
+
+
+_command("merge", merge_command)
+_command("plan", plan_command, interruptible=False)
+_command("demo", demo_command)
+_command("fisher", fisher_command)
+_command("inspect", inspect_command)
+_command("lab", lab_command)
+_command("eval", eval_command, interruptible=False)
+_command("sweep", sweep_command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = app(args=argv, standalone_mode=False)
     except RLMergeError as e:
-        err.print(f"[bold red]error:[/] {e.render()}", highlight=False, markup=True)
-        return e.exit_code
+        return report_error(e)
     except KeyboardInterrupt:  # outside a command (while parsing arguments)
         err.print("[bold red]interrupted[/]: nothing was written")
         return 130
@@ -105,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return rc if isinstance(rc, int) else 0
+
+
+def report_error(e: RLMergeError) -> int:
+    """Print ``e`` on stderr, as text (its paths and hints, e.g. ``pip install 'rlmerge[ray]'``, are not Rich
+    markup); its exit code."""
+    err.print(f"[bold red]error:[/] {escape(e.render())}", highlight=False, markup=True)
+    return e.exit_code
 
 
 def _interrupt(signum: int, frame: Any) -> None:

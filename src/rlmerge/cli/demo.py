@@ -20,10 +20,10 @@ def demo_command(
     from ..synthetic import PAPER_DENSITIES, make_example  # torch builds the example: imported when it runs
 
     out.print(f"building a tiny Qwen2 base and 3 agents with densities "
-              f"{', '.join(f'{d:.1%}' for d in PAPER_DENSITIES)} in {workdir}/ …")
+              f"{', '.join(f'{d:.1%}' for d in PAPER_DENSITIES)} in {workdir}/ …", markup=False)
     check_output(workdir / "merged-ram+", [], force=True)  # before the example is (re)written
     base, agents = make_example(workdir / "inputs", owned=True)  # replaces only an earlier demo's
     res = merge(base, agents, workdir / "merged-ram+", method="ram+", params={"preset": "paper"}, force=True,
                 quiet=False)
     print_result(res)
-    out.print(f"model card: {res.output / 'README.md'}; provenance: {res.output / 'rlmerge.json'}")
+    out.print(f"model card: {res.output / 'README.md'}; provenance: {res.output / 'rlmerge.json'}", markup=False)

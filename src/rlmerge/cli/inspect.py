@@ -49,7 +49,7 @@ def inspect_command(
                   quiet=quiet or json_out or markdown, save=save, plots=plots, force=force, **extra)
     for path in [save, plots]:
         if path is not None:
-            err.print(f"wrote {path}")
+            err.print(f"wrote {path}", markup=False)
     if json_out:
         typer.echo(rep.to_json(), nl=False)
     elif markdown:

@@ -8,6 +8,9 @@ from typing import Annotated
 
 import typer
 
+from ..io.open import checked_model_folder
+from . import options as o
+
 
 def _usage_error(message: str) -> typer.Exit:
     """Print a usage error and return the exit to raise (code 2, as click's usage errors).
@@ -48,9 +51,15 @@ def lab_command(
             "a rerun into the same --out reuses its base and agents, so new rows can be measured alone."
         ),
     ] = None,
+    unsafe_unisolated_code: o.UnsafeUnisolatedCode = False,
 ) -> None:
     """Train a base and three GRPO agents, merge them with every method, score all on held-out tasks."""
     from rlmerge.lab import pipeline
+
+    if unsafe_unisolated_code:
+        from rlmerge.sandbox import allow_unisolated
+
+        allow_unisolated()
 
     if size not in pipeline.SIZES:
         raise _usage_error(f"unknown size {size!r}; choose from {', '.join(pipeline.SIZES)}")
@@ -112,6 +121,7 @@ def eval_command(
     num_fewshot: Annotated[int | None, typer.Option(min=0, help="Few-shot examples for lm-eval tasks.")] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="lm-eval batch size.")] = 8,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a line per task.")] = False,
+    unsafe_unisolated_code: o.UnsafeUnisolatedCode = False,
 ) -> None:
     """Score any HF checkpoint: the lab's verifiable scorers and, with rlmerge[eval], lm-eval tasks.
 
@@ -131,7 +141,13 @@ def eval_command(
         split = split_tasks(names, include_path or [])
     except UnknownTask as err:
         raise _usage_error(f"--tasks: {err}") from err
-    loaded, tokenizer = load_checkpoint(model)
+    if "coding" in split.lab:  # it runs the model's programs: refused before the model is even loaded
+        from rlmerge.sandbox import allow_unisolated, ensure_isolation
+
+        if unsafe_unisolated_code:
+            allow_unisolated()
+        ensure_isolation()
+    loaded, tokenizer = load_checkpoint(checked_model_folder(model, what="eval"))  # rlmerge's input rules first
     scores = {
         f: 100.0 * score_examples(loaded, tokenizer, make_split(make_family(f), "test", n, seed)) for f in split.lab
     }

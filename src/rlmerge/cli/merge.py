@@ -15,7 +15,7 @@ from ..engine.merge import MergeResult, merge
 from ..errors import ConfigError
 from ..recipe import load_recipe
 from . import options as o
-from .console import err, out
+from .console import err, escape, out
 
 
 def parse_param(text: str) -> tuple[str, Any]:
@@ -73,9 +73,9 @@ def gather(models: list[str] | None, recipe: Path | None, method: str | None, dt
 def print_notes(req: Request) -> None:
     """The defaults a recipe took and what it gives that is ignored: said before anything runs."""
     for d in req.defaults:
-        err.print(f"[cyan]default:[/] {d}")
+        err.print(f"[cyan]default:[/] {escape(d)}")
     for w in req.warnings:
-        err.print(f"[yellow]warning:[/] {w}")
+        err.print(f"[yellow]warning:[/] {escape(w)}")
 
 
 def merge_command(
@@ -106,8 +106,9 @@ def merge_command(
     seed: Annotated[int | None, typer.Option(help="seed for random methods")] = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no progress bars or tables")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
-    backend: Annotated[str, typer.Option(help="local, or ray: the passes as Ray tasks split by output shard, the "
-                                              "same bytes (pip install 'rlmerge[ray]'; docs/scale.md)")] = "local",
+    backend: Annotated[str, typer.Option(help=escape("local, or ray: the passes as Ray tasks split by output shard, "
+                                                     "the same bytes (pip install 'rlmerge[ray]'; docs/scale.md)"))]
+    = "local",
     workers: Annotated[int | None, typer.Option(min=1, help="--backend ray: tasks at once")] = None,
     push_to_hub: o.PushToHub = None,
     private: o.Private = False,
@@ -148,7 +149,7 @@ def merge_command(
                                                       "revision": revision} if push_to_hub else {}))
     for w in res.warnings:
         if w not in req.warnings:  # said before the merge
-            err.print(f"[yellow]warning:[/] {w}")
+            err.print(f"[yellow]warning:[/] {escape(w)}")
     if json_out:
         out.print_json(json.dumps(result_json(res)))
     elif not quiet:
@@ -177,17 +178,17 @@ def print_result(res: MergeResult) -> None:
     from ..report.provenance import COLUMN, agent_rows
 
     rows = agent_rows(res)
-    table = Table(title=f"{res.method} merge of {len(rows)} agents")
+    table = Table(title=escape(f"{res.method} merge of {len(rows)} agents"))
     cols = [c for c in ("agent", "density", "kept", "unique", "shared", "rho", "lambda", "lambda_kept")
             if c in rows[0]]
     for c in cols:
         table.add_column(COLUMN.get(c, c), justify="left" if c == "agent" else "right")
     for row in rows:
         row = {**row, "agent": Path(row["agent"]).name or row["agent"]}  # full paths are in rlmerge.json
-        table.add_row(*(_fmt(c, row[c]) for c in cols))
+        table.add_row(*(escape(_fmt(c, row[c])) for c in cols))
     out.print(table)
     gb = (res.read_bytes + res.write_bytes) / 1e9
-    out.print(f"wrote [bold]{res.output}[/] ({'/'.join(res.merged_dtypes)}) in {res.seconds:.1f} s "
+    out.print(f"wrote [bold]{escape(str(res.output))}[/] ({'/'.join(res.merged_dtypes)}) in {res.seconds:.1f} s "
               f"({gb:.2f} GB read + written)")
 
 

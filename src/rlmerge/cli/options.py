@@ -1,4 +1,5 @@
-"""Options that `rlmerge merge` and `rlmerge plan` share: one declaration, one help text."""
+"""Options that several commands share (`merge` and `plan`; `eval`, `sweep` and `lab`): one declaration, one help
+text."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import typer
 
 from ..methods import REGISTRY
 from ..methods.ram import PRESETS
+from ..sandbox import UNSAFE_FLAG
 
 Models = Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")]
 Method = Annotated[str | None, typer.Option(help=f"{', '.join(REGISTRY)} (docs/methods.md)")]
@@ -35,3 +37,7 @@ PushToHub = Annotated[str | None, typer.Option(help="upload the finished output 
                                                     "checked before any weight is read, pushed once complete")]
 Private = Annotated[bool, typer.Option(help="--push-to-hub: create the repository private")]
 Revision = Annotated[str | None, typer.Option(help="--push-to-hub: the branch to commit to (created if needed)")]
+UnsafeUnisolatedCode = Annotated[bool, typer.Option(
+    UNSAFE_FLAG, help="where bubblewrap cannot isolate it, run model-written code (the coding scorer) WITHOUT "
+                      "isolation: it can then read and write your files and reach the network. Only for models you "
+                      "trust (docs/guarantees.md)")]

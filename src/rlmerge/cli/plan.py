@@ -11,7 +11,7 @@ import typer
 from ..engine.dryrun import DryRun, dry_run
 from ..errors import ProblemsError
 from . import options as o
-from .console import err, out
+from .console import err, escape, out
 from .merge import gather, print_notes
 
 
@@ -73,7 +73,7 @@ def _size(n: int | None) -> str:
 def print_report(r: DryRun) -> None:
     if r.match is not None:
         merged = len(r.match.merge_jobs)
-        out.print(f"method {r.method}: {len(r.match.jobs)} tensors ({merged} merged, "
+        out.print(f"method {escape(r.method)}: {len(r.match.jobs)} tensors ({merged} merged, "
                   f"{len(r.match.jobs) - merged} copied), {len(r.match.agents)} agents")
         if r.tokenizer is not None:
             added = r.tokenizer.added
@@ -88,6 +88,6 @@ def print_report(r: DryRun) -> None:
                   f"available {avail})" + (f"; plus {_size(r.memory.mapped)} of memory-mapped .bin files"
                                            if r.memory.mapped else ""))
     for w in r.warnings:
-        err.print(f"[yellow]warning:[/] {w}")
+        err.print(f"[yellow]warning:[/] {escape(w)}")
     if r.ok:
         out.print("[green]ok[/]: no problems found")

@@ -14,7 +14,7 @@ from ..engine.candidates import load_sweep_recipe
 from ..engine.sweep import Scored, SweepResult, sweep
 from ..errors import ConfigError
 from . import options as o
-from .console import err, out
+from .console import err, escape, out
 
 
 def sweep_command(
@@ -25,15 +25,17 @@ def sweep_command(
         "--candidate", help='a grid, repeatable: "METHOD KEY=V1,V2 KEY=V3" (every combination is a candidate)')]
     = None,
     recipe: Annotated[Path | None, typer.Option(help="YAML: base_model, models, candidates, and any option")] = None,
-    tasks: Annotated[str | None, typer.Option(help="comma-separated: lab:tool_use, lab:coding, lab:memory, "
-                                                   "lm-eval:TASK")] = None,
+    tasks: Annotated[list[str] | None, typer.Option(
+        help="scorers, comma-separated, repeatable: lab:FAMILY, lm-eval:TASK, bfcl:CATEGORY (simple, multiple, "
+             "parallel, parallel_multiple), humaneval, py:MODULE:FUNCTION, 'cmd:COMMAND {model}' (a cmd: entry "
+             "takes the rest of its --tasks value, commas included)")] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="examples per task (default 128)")] = None,
     split: Annotated[str | None, typer.Option(help="the lab tasks' split: val (default) or test")] = None,
     lab_view: Annotated[str | None, typer.Option(help="how the model sees a lab task: word (the tiny lab's "
                                                       "models, default) or chat (an instruct model, e.g. SmolLM2)")]
     = None,
     keep: Annotated[int | None, typer.Option(min=0, help="write the best K candidates as checkpoints")] = None,
-    backend: Annotated[str | None, typer.Option(help="local, or ray (pip install 'rlmerge[ray]')")] = None,
+    backend: Annotated[str | None, typer.Option(help=escape("local, or ray (pip install 'rlmerge[ray]')"))] = None,
     workers: Annotated[int | None, typer.Option(min=1, help="Ray: candidates scored at once")] = None,
     memory: Annotated[str | None, typer.Option(help="build candidates in memory: auto (when they fit), "
                                                     "always, never")] = None,
@@ -49,29 +51,47 @@ def sweep_command(
     include_path: Annotated[list[Path] | None, typer.Option(help="folder of lm-eval task YAMLs (repeatable)")]
     = None,
     num_fewshot: Annotated[int | None, typer.Option(min=0, help="few-shot examples for lm-eval tasks")] = None,
-    batch_size: Annotated[int | None, typer.Option(min=1, help="lm-eval batch size")] = None,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="lm-eval batch size; prompts generated at once")]
+    = None,
+    lm_eval_backend: Annotated[str | None, typer.Option(help="lm-eval's model: hf (in process, default) or vllm "
+                                                             "(pip install vllm; a CUDA machine)")] = None,
+    cmd_timeout: Annotated[float | None, typer.Option(help="seconds a cmd: scorer may run per candidate "
+                                                           "(default 3600)")] = None,
+    cmd_env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE added to a cmd: scorer's environment "
+                                                           "(repeatable)")] = None,
+    cmd_cwd: Annotated[Path | None, typer.Option(help="a cmd: scorer's working folder (default: this one)")] = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no live table")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print results.json's ranking as JSON")] = False,
     push_to_hub: o.PushToHub = None,
     private: o.Private = False,
     revision: o.Revision = None,
+    unsafe_unisolated_code: o.UnsafeUnisolatedCode = False,
 ) -> None:
     """Merge every candidate of BASE and AGENTs, score each on --tasks, rank them, keep the best."""
-    flags = {"tasks": tasks.split(",") if tasks else None, "limit": limit, "split": split, "lab_view": lab_view,
+    if unsafe_unisolated_code:
+        from ..sandbox import allow_unisolated
+
+        allow_unisolated()
+    flags = {"tasks": tasks, "limit": limit, "split": split, "lab_view": lab_view,
              "keep": keep,
              "backend": backend, "workers": workers, "memory": memory, "dtype": dtype, "block_size": block_size,
              "device": device, "seed": seed, "allow_missing": allow_missing or None,
              "count_tied_twice": count_tied_twice or None, "num_fewshot": num_fewshot, "batch_size": batch_size,
-             "include_path": [str(p) for p in include_path] if include_path else None}
+             "include_path": [str(p) for p in include_path] if include_path else None,
+             "lm_eval_backend": lm_eval_backend, "cmd_timeout": cmd_timeout, "cmd_env": cmd_env,
+             "cmd_cwd": str(cmd_cwd) if cmd_cwd is not None else None}
     base, agents, grids, s = _gather(models, recipe, candidate, {k: v for k, v in flags.items() if v is not None})
     scorer = None
     if s.get("tasks"):
-        from ..scorers import TaskScorer
+        from ..scoring import TaskScorer, split_task_list
 
-        scorer = TaskScorer([t.strip() for t in s["tasks"] if t.strip()], limit=s.get("limit", 128),
+        values = [s["tasks"]] if isinstance(s["tasks"], str) else list(s["tasks"])
+        scorer = TaskScorer([t for v in values for t in split_task_list(str(v))], limit=s.get("limit", 128),
                             split=s.get("split", "val"), seed=s.get("seed", 0),
                             include_path=list(s.get("include_path", [])), num_fewshot=s.get("num_fewshot"),
-                            batch_size=s.get("batch_size", 8), kind=s.get("lab_view", "word"))
+                            batch_size=s.get("batch_size", 8), kind=s.get("lab_view", "word"),
+                            lm_eval_backend=s.get("lm_eval_backend", "hf"), cmd_timeout=s.get("cmd_timeout", 3600.0),
+                            cmd_env=s.get("cmd_env", ()), cmd_cwd=s.get("cmd_cwd"))
     else:
         err.print("[yellow]warning:[/] no --tasks: the candidates are merged, not scored")
     table = _LiveTable(quiet=quiet or json_out)
@@ -84,6 +104,7 @@ def sweep_command(
                     settings=scorer.settings() if scorer is not None else {},
                     on_result=table.add, quiet=quiet or json_out, push_to_hub=push_to_hub, private=private,
                     revision=revision, **({"block_size": s["block_size"]} if s.get("block_size") else {}))
+    _warn_failures(res)
     if json_out:
         out.print_json(json.dumps(_summary(res)))
     elif not quiet:
@@ -144,15 +165,16 @@ class _LiveTable:
         for col in ("candidate", *tasks, "average", "built in", "passes", "s"):
             t.add_column(col, justify="left" if col == "candidate" else "right")
         for s in sorted(self.rows, key=lambda s: -(s.average if s.average is not None else float("-inf"))):
-            t.add_row(s.candidate.label, *(f"{s.scores[k]:.2f}" if k in s.scores else "—" for k in tasks),
-                      f"{s.average:.2f}" if s.average is not None else "—", s.where, "+".join(s.passes),
-                      f"{s.merge_seconds + s.score_seconds:.1f}")
+            t.add_row(escape(s.candidate.label), *(f"{s.scores[k]:.2f}" if k in s.scores else "—" for k in tasks),
+                      f"{s.average:.2f}" if s.average is not None else "failed" if s.error else "—", s.where,
+                      "+".join(s.passes), f"{s.merge_seconds + s.score_seconds:.1f}")
         return t
 
 
 def _summary(res: SweepResult) -> dict[str, Any]:
     return {"output": str(res.output), "ranking": [{"label": s.candidate.label, "id": s.candidate.id,
-                                                    "scores": s.scores, "average": s.average} for s in res.ranking],
+                                                    "scores": s.scores, "average": s.average,
+                                                    **({"error": s.error} if s.error else {})} for s in res.ranking],
             "pareto": [s.candidate.id for s in res.pareto], "kept": [str(p) for p in res.kept],
             "statistics_passes": res.statistics_passes, "merge_passes": res.merge_passes, "url": res.url,
             "seconds": round(res.seconds, 3)}
@@ -163,10 +185,19 @@ def _print_summary(res: SweepResult) -> None:
               f"{res.merge_passes} merge pass(es), {res.seconds:.1f} s")
     if res.ranking and res.ranking[0].average is not None:
         best = res.ranking[0]
-        out.print(f"best: [bold]{best.candidate.label}[/] (average {best.average:.2f})")
+        out.print(f"best: [bold]{escape(best.candidate.label)}[/] (average {best.average:.2f})")
     for p in res.kept:
-        out.print(f"kept [bold]{p}[/]")
+        out.print(f"kept [bold]{escape(str(p))}[/]")
     if res.url is not None:
-        out.print(f"pushed {res.kept[0]} to [bold]{res.url}[/]")
+        out.print(f"pushed {escape(str(res.kept[0]))} to [bold]{escape(res.url)}[/]")
     if res.output is not None:
-        out.print(f"wrote {res.output / 'results.json'} and {res.output / 'report.md'}")
+        out.print(f"wrote {res.output / 'results.json'} and {res.output / 'report.md'}", markup=False)
+
+
+def _warn_failures(res: SweepResult) -> None:
+    """Candidates the scorer failed on (the sweep went on): how many, and each one's message."""
+    if res.failed:
+        err.print(f"[yellow]warning:[/] the scorer failed on {len(res.failed)} of {len(res.scored)} candidate(s); "
+                  "they are ranked last and never kept (recorded in results.json and report.md):")
+        for s in res.failed:
+            err.print(f"  {s.candidate.label}: {s.error}", markup=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from .._torch import torch
 from ..errors import ConfigError, RLMergeError, raise_all
@@ -17,9 +18,10 @@ from ..methods import BlockContext
 from ..report import Report, build_report, dtype_facts
 from ..stats import Magnitudes, Statistics
 from .backends import Run, TorchBackend
-from .blocks import DEFAULT_BLOCK, BlockReader
+from .blocks import DEFAULT_BLOCK, BlockReader, device_type
 from .match import match_models
 from .passes import statistics_pass
+from .preflight import parse_block_size
 from .progress import Progress
 from .route import route
 
@@ -39,11 +41,17 @@ class MagnitudeObserver:
         return False  # one pass is enough
 
 
-def _check(epsilon: float, thresholds: Sequence[float]) -> tuple[float, ...]:
+def _check(epsilon: float, thresholds: Sequence[float], block_size: Any, device: str) -> tuple[float, ...]:
+    """Every problem of the arguments at once (the merge's own checks for the block size and the device)."""
     problems: list[RLMergeError] = []
     for name, v in [("epsilon", epsilon), *(("threshold", t) for t in thresholds)]:
         if not (isinstance(v, (int, float)) and 0.0 <= v <= 1.0):
             problems.append(ConfigError(f"inspect: {name} = {v!r} is out of range [0, 1]"))
+    for check, value in ((parse_block_size, block_size), (device_type, device)):
+        try:
+            check(value)
+        except RLMergeError as e:
+            problems.append(e)
     raise_all(problems)
     return tuple(sorted({float(t) for t in thresholds}))
 
@@ -61,7 +69,7 @@ def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
     >>> rep = rlmerge.inspect("base/", ["coder/", "tools/", "memory/"])  # doctest: +SKIP
     >>> rep.doc["recommendation"]["summary"], rep.doc["per_agent"][0]["density"]  # doctest: +SKIP
     """
-    extra = _check(epsilon, thresholds)
+    extra = _check(epsilon, thresholds, block_size, device)
     models = open_all([base, *agents])
     try:
         problems = output_problems(save, models, force=force, kind="file") if save is not None else []

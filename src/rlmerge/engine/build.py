@@ -2,22 +2,22 @@
 
 What a candidate's build shares with the others is a ``Context`` (picklable: a Ray task gets it whole) and the
 statistics cache (cache.py). ``sweep.py`` runs candidates one after the other; ``distributed.py`` runs them as Ray
-tasks. A scorer is any callable ``scorer(built) -> {task: score}`` (higher is better).
+tasks. A scorer is any callable ``scorer(built) -> {task: score}`` (higher is better); a score is a number or a
+``scores.TaskScore`` (or a mapping with its fields: n, stderr, per-example samples).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import ConfigError, raise_all
+from ..errors import RLMergeError, raise_all
 from ..io.memory import MemoryWriter
 from ..io.sweepdir import SweepDir
 from . import budget
@@ -26,6 +26,7 @@ from .candidates import Candidate
 from .merge import MergeResult, execute, merge, statistics_only
 from .preflight import Preflight, preflight
 from .route import route
+from .scores import TaskScore, details_json, make
 
 Memory = Literal["auto", "always", "never"]
 HEADROOM = 0.8  # of the memory available: what an in-memory candidate (model, scorer's copy, merge) may take
@@ -41,9 +42,10 @@ class Built:
     config: dict[str, Any]  # the merged checkpoint's config.json
     side_dir: Path  # where the tokenizer and other side files are (the base's, or ``path``)
     result: MergeResult
+    files: dict[str, bytes] | None = None  # in memory: the side files the folder would hold (config, tokenizer, …)
 
 
-Scorer = Callable[[Built], Mapping[str, float]]
+Scorer = Callable[[Built], Mapping[str, float | TaskScore | Mapping[str, Any]]]
 
 
 @dataclass
@@ -58,15 +60,20 @@ class Scored:
     passes: list[str]  # what its merge ran ("merge" alone when the cache held its statistics)
     read_bytes: int
     lambdas: list[float] | None = None
+    details: dict[str, TaskScore] = field(default_factory=dict)  # task → score with n, stderr, samples
+    error: str | None = None  # why the scorer failed on this candidate (then no scores): ranked last, never kept
 
     @property
     def average(self) -> float | None:
         return sum(self.scores.values()) / len(self.scores) if self.scores else None
 
-    def to_json(self) -> dict[str, Any]:
-        return {**self.candidate.to_json(), "scores": self.scores, "average": self.average, "where": self.where,
+    def to_json(self, examples: dict[str, list[str]] | None = None) -> dict[str, Any]:
+        """results.json's record; ``examples`` collects the example ids of per-example samples (scores.py)."""
+        return {**self.candidate.to_json(), "scores": self.scores, "average": self.average,
+                "details": details_json(self.details, examples if examples is not None else {}), "where": self.where,
                 "merge_seconds": round(self.merge_seconds, 3), "score_seconds": round(self.score_seconds, 3),
-                "passes": self.passes, "read_bytes": self.read_bytes, "lambdas": self.lambdas}
+                "passes": self.passes, "read_bytes": self.read_bytes, "lambdas": self.lambdas,
+                **({"error": self.error} if self.error is not None else {})}
 
 
 @dataclass
@@ -99,15 +106,27 @@ def build_and_score(ctx: Context, c: Candidate, scorer: Scorer | None, cache: St
     finally:
         pf.close()
     merged = time.perf_counter()
+    details: dict[str, TaskScore] = {}
+    error = None
     try:
-        scores = _scores(c, scorer(built)) if scorer is not None else {}
+        details = _scores(c, scorer(built)) if scorer is not None else {}
+    except Exception as e:  # any scorer failure is this candidate's outcome; the sweep goes on (Ctrl-C is not)
+        error = failure(e)
     finally:
         res = built.result
         del built  # the state dict goes before the next candidate is built
         if scratch is not None:
             _remove_scratch(ctx, scratch)
-    return Scored(c, scores, "disk" if scratch is not None else "memory", merged - t0,
-                  time.perf_counter() - merged, res.passes, res.read_bytes, res.lambdas)
+    return Scored(c, {k: v.score for k, v in details.items()}, "disk" if scratch is not None else "memory",
+                  merged - t0, time.perf_counter() - merged, res.passes, res.read_bytes, res.lambdas, details, error)
+
+
+def failure(e: BaseException) -> str:
+    """How a scorer's exception is recorded: one line, an rlmerge error as it renders (its hint after a semicolon),
+    anything else as ``Type: message``; cut at 2,000 characters."""
+    text = e.render().replace("\n  -> ", "; ") if isinstance(e, RLMergeError) else f"{type(e).__name__}: {e}"
+    text = " ".join(text.split())
+    return text if len(text) <= 2000 else text[:1999] + "…"
 
 
 def warm(ctx: Context, cands: Sequence[Candidate], cache: StatsCache) -> None:
@@ -155,7 +174,7 @@ def _in_memory_build(ctx: Context, c: Candidate, pf: Preflight, cache: StatsCach
     res = execute(pf.match, pf.spec, pf.params, make, output=Path(f"memory:{c.id}"), block_size=pf.block_size,
                   device=ctx.options["device"], seed=c.seed, quiet=True, recipe=None, extras=extras,
                   cache=cache.view(pf.match, extras))
-    return Built(c, None, writers[0].tensors(), writers[0].config(), ctx.side_dir, res)
+    return Built(c, None, writers[0].tensors(), writers[0].config(), ctx.side_dir, res, dict(writers[0].files))
 
 
 def _on_disk_build(ctx: Context, c: Candidate, cache: StatsCache) -> tuple[Path, Built]:
@@ -175,11 +194,7 @@ def _remove_scratch(ctx: Context, out: Path) -> None:
         shutil.rmtree(out.parent, ignore_errors=True)
 
 
-def _scores(c: Candidate, scores: Mapping[str, float]) -> dict[str, float]:
-    out = {}
-    for k, v in dict(scores).items():
-        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ConfigError(f"the scorer gave {k!r}: {v!r} for candidate {c.label!r}",
-                              hint="a scorer returns {task name: finite number}, higher is better")
-        out[k] = float(v)
-    return out
+def _scores(c: Candidate, scores: Mapping[str, Any]) -> dict[str, TaskScore]:
+    """The scorer's values, checked (scores.make: a ScorerError says what is wrong)."""
+    return {str(k): make(v, task=str(k), where=f"the scorer on candidate {c.label!r}")
+            for k, v in dict(scores).items()}

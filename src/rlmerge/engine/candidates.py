@@ -18,14 +18,15 @@ import hashlib
 import itertools
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from ..errors import ConfigError, ProblemsError, RLMergeError, raise_all
 from ..methods import MethodSpec, get_method
+from ..params import coerce, parse_params
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ def parse_all(texts: Sequence[Any], *, seed: int = 0, where: str = "--candidate"
         except RLMergeError as e:
             problems.append(e)
     try:
-        out = check(out)
+        if out or not problems:  # "no candidates" is news only when no grid was refused
+            out = check(out)
     except RLMergeError as e:
         problems += e.problems if isinstance(e, ProblemsError) else [e]
     raise_all(problems)
@@ -142,7 +144,7 @@ def expand(method: str, axes: Mapping[str, Sequence[Any]], *, seed: int = 0, whe
     for combo in itertools.product(*(axes[k] for k in keys)):
         for s in seeds:
             try:
-                s = int(s)
+                s = coerce(s, int)  # the recipe parser's int: "2" is 2, 1.5 and true are errors
             except (TypeError, ValueError):
                 raise ConfigError(f"{where}: seed {s!r} is not a whole number") from None
             out.append(Candidate(spec.name, tuple(zip(keys, combo)), s))
@@ -188,6 +190,41 @@ def check(candidates: Sequence[Candidate]) -> list[Candidate]:
     return list(seen.values())
 
 
+@dataclass(frozen=True)
+class SweepSettings:
+    """A sweep recipe's settings, typed like the command line's flags by the parser the merge recipe's ``options:``
+    use (``params.parse_params``): a quoted "false" is false, ``keep: "1"`` is 1, ``seed: abc`` and ``keep: 1.5``
+    are errors, all reported together."""
+
+    tasks: tuple[str, ...] | None = None  # each item one --tasks value (the scorers split it: a cmd: keeps its commas)
+    limit: int | None = None
+    keep: int | None = None
+    backend: Literal["local", "ray"] | None = None
+    workers: int | None = None
+    memory: Literal["auto", "always", "never"] | None = None
+    split: Literal["val", "test"] | None = None
+    lab_view: Literal["word", "chat"] | None = None
+    dtype: str | None = None
+    seed: int | None = None
+    block_size: int | None = None
+    device: str | None = None
+    allow_missing: bool | None = None
+    count_tied_twice: bool | None = None
+    include_path: tuple[str, ...] | None = None
+    num_fewshot: int | None = None
+    batch_size: int | None = None
+    lm_eval_backend: Literal["hf", "vllm"] | None = None
+    cmd_timeout: float | None = None
+    cmd_env: tuple[str, ...] | None = None  # KEY=VALUE each (a recipe's mapping is turned into these)
+    cmd_cwd: str | None = None
+
+    def __post_init__(self) -> None:
+        least = {"limit": 1, "keep": 0, "workers": 1, "block_size": 1, "num_fewshot": 0, "batch_size": 1,
+             "cmd_timeout": 0}
+        raise_all([ConfigError(f"{k} = {getattr(self, k)} must be ≥ {lo}") for k, lo in least.items()
+                   if getattr(self, k) is not None and getattr(self, k) < lo])
+
+
 @dataclass
 class SweepRecipe:
     """A sweep from YAML: models, candidates, scorer settings and options (the CLI's flags override them)."""
@@ -195,11 +232,10 @@ class SweepRecipe:
     base: str
     agents: list[str]
     candidates: list[Candidate]
-    settings: dict[str, Any]  # tasks, limit, keep, backend, … as the CLI names them
+    settings: dict[str, Any]  # tasks, limit, keep, backend, … as the CLI names them, typed (SweepSettings)
 
 
-SETTINGS = {"tasks", "limit", "keep", "backend", "workers", "memory", "split", "lab_view", "dtype", "seed",
-            "block_size", "device", "allow_missing", "count_tied_twice", "include_path", "num_fewshot", "batch_size"}
+SETTINGS = {f.name for f in fields(SweepSettings)}
 
 
 def load_sweep_recipe(path: str | Path) -> SweepRecipe:
@@ -220,16 +256,30 @@ def load_sweep_recipe(path: str | Path) -> SweepRecipe:
                                     hint="known: base_model, models, candidates, " + ", ".join(sorted(SETTINGS))))
     models = doc.get("models") or []
     agents = [m.get("model") if isinstance(m, dict) else m for m in models] if isinstance(models, list) else []
-    if not doc.get("base_model") or not agents or not all(isinstance(a, str) for a in agents):
+    if not isinstance(doc.get("base_model"), str) or not agents or not all(isinstance(a, str) for a in agents):
         problems.append(ConfigError("base_model and models (a list of paths, or of {model: path}) are needed",
                                     file=str(p)))
+    given = {k: doc[k] for k in SETTINGS if k in doc}
+    for key in ("include_path", "tasks", "cmd_env"):  # one value (a path, a command, an env value may hold a comma)
+        if isinstance(given.get(key), str):
+            given[key] = [given[key]]
+    if isinstance(given.get("cmd_env"), dict):
+        given["cmd_env"] = [f"{k}={v}" for k, v in given["cmd_env"].items()]
+    settings: dict[str, Any] = {}
+    for key, value in given.items():  # one at a time: a range check is reported beside another key's type error
+        try:
+            settings[key] = getattr(parse_params(SweepSettings, {key: value}, where=f"the sweep recipe {p}"), key)
+        except RLMergeError as e:
+            for q in e.problems if isinstance(e, ProblemsError) else [e]:
+                q.file = q.file or str(p)
+                problems.append(q)
+    settings = {k: v for k, v in settings.items() if v is not None}
     entries = doc.get("candidates") or []
     cands: list[Candidate] = []
     try:
-        cands = parse_all(entries if isinstance(entries, list) else [entries], seed=int(doc.get("seed", 0) or 0),
+        cands = parse_all(entries if isinstance(entries, list) else [entries], seed=settings.get("seed", 0),
                           where=f"{p}: candidates")
     except RLMergeError as e:
-        problems.append(e)
+        problems += e.problems if isinstance(e, ProblemsError) else [e]
     raise_all(problems)
-    settings = {k: doc[k] for k in SETTINGS if k in doc}
     return SweepRecipe(str(doc["base_model"]), [str(a) for a in agents], cands, settings)

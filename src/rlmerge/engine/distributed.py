@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,14 +59,82 @@ except ImportError as e:  # the ``ray`` extra is not installed
     raise ConfigError("the Ray backend needs Ray", hint="pip install 'rlmerge[ray]' (pinned: ray==2.60.0)") from e
 
 
-def init(address: str | None = None) -> None:
-    """Connect to the Ray cluster at ``address`` (or ``RAY_ADDRESS``), or start one on this machine."""
+CONNECT_TIMEOUT = 20.0  # seconds: the longest rlmerge waits for a Ray cluster's address to answer (``init``)
+# An HTTP/2 client preface and an empty SETTINGS frame: a gRPC server (Ray's GCS, or its Ray Client server) answers
+# with a SETTINGS frame of its own (frame type 4), so one round trip tells a Ray cluster from silence or another
+# service without waiting on Ray's own reconnect loop (20 tries of ~40 s each in Ray 2.60).
+_RAY_TRIES = "RAY_gcs_server_port_wait_time_s"  # Ray's own spelling: how many times it tries to reach the GCS
+_H2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def init(address: str | None = None, *, timeout: float | None = None) -> None:
+    """Connect to the Ray cluster at ``address`` (or ``RAY_ADDRESS``), or start one on this machine.
+
+    An address that does not answer as a Ray cluster within ``timeout`` seconds is a ConfigError naming it (Ray
+    itself would retry for minutes); ``timeout`` None: ``CONNECT_TIMEOUT``."""
     if ray.is_initialized():
         return
-    if address is None and not os.environ.get("RAY_ADDRESS"):
+    where = address or os.environ.get("RAY_ADDRESS")
+    if not where or where == "local":
         ray.init(include_dashboard=False, log_to_driver=False)
-    else:
+        return
+    reach(where, timeout=CONNECT_TIMEOUT if timeout is None else timeout)
+    saved = os.environ.get(_RAY_TRIES)
+    if saved is None:  # it answered: one connection attempt (Ray's ~40 s), not Ray's 20
+        os.environ[_RAY_TRIES] = "1"
+    try:
         ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, TimeoutError, ValueError) as e:  # ValueError: e.g. ray:// without ray[client]
+        raise _unreachable(where, str(e)) from e
+    finally:
+        if saved is None:
+            os.environ.pop(_RAY_TRIES, None)
+
+
+def reach(address: str, *, timeout: float = CONNECT_TIMEOUT) -> None:
+    """Raise ConfigError unless a Ray cluster (a gRPC server) answers at ``address`` within ``timeout`` seconds:
+    ``HOST:PORT``, ``ray://HOST[:PORT]`` or ``auto`` (the cluster this machine last started)."""
+    host, port = _endpoint(address)
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return  # a TLS handshake comes first: connecting is all that can be checked here
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
+            sock.sendall(_H2_HELLO)
+            head = b""
+            while len(head) < 9 and (chunk := sock.recv(9 - len(head))):
+                head += chunk
+    except TimeoutError:
+        raise _unreachable(address, f"no answer within {timeout:g} s") from None
+    except OSError as e:
+        raise _unreachable(address, e.strerror or str(e)) from None
+    if len(head) < 9 or head[3] != 4:
+        raise _unreachable(address, "something listens there, but it did not answer as a Ray cluster (gRPC)")
+
+
+def _endpoint(address: str) -> tuple[str, int]:
+    """(host, port) that ``address`` names; Ray Client's default port 10001."""
+    where = address
+    if where == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address_or_die
+            where = canonicalize_bootstrap_address_or_die("auto")
+        except (ImportError, ConnectionError) as e:
+            raise _unreachable(address, str(e)) from None
+    client = "://" in where
+    host, sep, port = where.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep:
+        host, port = port, "10001" if client else ""
+    if not host or not port.isdigit():
+        raise ConfigError(f"the Ray address {address!r} is not HOST:PORT or ray://HOST:PORT",
+                          hint="e.g. RAY_ADDRESS=10.0.0.5:6379 (the head's address from `ray start --head`)")
+    return host.strip("[]"), int(port)
+
+
+def _unreachable(address: str, why: str) -> ConfigError:
+    return ConfigError(f"cannot reach a Ray cluster at {address}: {why}",
+                       hint="start it (ray start --head), fix RAY_ADDRESS, or unset it to run Ray on this machine")
 
 
 def _get(refs: list[Any], on_done: Callable[[int, Any], None], *, limit: int | None,

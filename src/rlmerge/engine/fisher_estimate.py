@@ -24,7 +24,7 @@ from .._version import __version__
 from ..errors import ConfigError, InputError
 from ..io.checkpoint import TensorInfo
 from ..io.dtypes import F32
-from ..io.open import resolve
+from ..io.open import checked_model_folder
 from ..io.partial import PartialDir, check_output
 from ..io.writer import CheckpointWriter
 from .blocks import tensor_bytes
@@ -94,7 +94,7 @@ def estimate_fisher(model: str | os.PathLike[str], data: str | os.PathLike[str],
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
         raise ConfigError("estimating a Fisher needs transformers", hint="pip install 'rlmerge[hf]'") from e
-    path, _ = resolve(model)
+    path = checked_model_folder(model, what="fisher")  # rlmerge's input rules, before transformers reads it
     out = Path(output)
     inputs = [path, Path(data)]
     check_output(out, inputs, force=force)  # before anything is loaded

@@ -339,7 +339,7 @@ class Checkpoint:
             raise InputError("the file holds no tensors at its top level", file=str(f),
                              hint="a training checkpoint? save the model's state_dict() on its own")
         self._bin[f] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-        return {k: TensorInfo(k, _bin_dtype(f, k, v), tuple(v.shape), f) for k, v in self._bin[f].items()}
+        return {k: TensorInfo(k, dense_dtype(f, k, v), tuple(v.shape), f) for k, v in self._bin[f].items()}
 
     def alias(self, name: str, stored: str) -> None:
         """Read tensor ``name`` from the stored tensor ``stored`` (a tied checkpoint's lm_head is its embedding)."""
@@ -426,8 +426,12 @@ class Checkpoint:
         self._local = threading.local()
 
 
-def _bin_dtype(f: Path, name: str, t: torch.Tensor) -> DType:
-    """The stored dtype of a plain, dense tensor from a ``.bin``; anything else is refused, naming it."""
+_DENSE = "save the model's materialised, dense state_dict (e.g. save_pretrained) and retry"
+
+
+def dense_dtype(f: Path, name: str, t: torch.Tensor, *, hint: str = _DENSE) -> DType:
+    """The stored dtype of a plain, dense tensor from a torch-saved file (a ``.bin``, a verl rank file); a meta,
+    sparse or complex tensor, or a dtype rlmerge does not read, is refused, naming it."""
     why = ("a meta tensor (shape only, no data)" if t.is_meta else
            f"a {t.layout} tensor, not a dense one" if t.layout != torch.strided else
            f"a {str(t.dtype).removeprefix('torch.')} tensor" if t.is_complex() else None)
@@ -436,8 +440,7 @@ def _bin_dtype(f: Path, name: str, t: torch.Tensor) -> DType:
             return from_torch(t.dtype)
         except ValueError:
             why = f"a {str(t.dtype).removeprefix('torch.')} tensor, a dtype rlmerge does not read"
-    raise InputError(f"{why}", file=str(f), tensor=name,
-                     hint="save the model's materialised, dense state_dict (e.g. save_pretrained) and retry")
+    raise InputError(f"{why}", file=str(f), tensor=name, hint=hint)
 
 
 def _allowed_roots(folder: Path) -> list[Path]:

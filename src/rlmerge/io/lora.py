@@ -4,13 +4,21 @@ An adapter folder (``adapter_config.json`` + ``adapter_model.safetensors`` or ``
 ``save_pretrained``, TRL with ``peft_config``, OpenRLHF ``--lora_rank``, verl's ``lora_adapter/``) is an agent
 over the base it is merged with. Its task vector is, per base tensor W (PEFT's ``get_delta_weight``):
 
-    τ = s · B @ A                 Linear        (A [r, in], B [out, r]; transposed with fan_in_fan_out: Conv1D)
+    τ = s · B @ A                 Linear        (A [r, in], B [out, r])
+    τ = s · (B @ A)ᵀ              Conv1D        (GPT-2 style layers store W as [in, out])
     τ = s · (B @ A)ᵀ              Embedding     (lora_embedding_A [r, vocab], lora_embedding_B [dim, r])
     τ = F − W                     a full tensor the adapter saves (modules_to_save, trained biases,
                                   save_embedding_layers); added to the LoRA term when both exist
     τ = 0                         every other tensor of the base
     s = α / r  (α / √r with use_rslora); r and α per module from rank_pattern / alpha_pattern, matched as
     PEFT 0.21 matches them (``(.*\\.)?KEY$`` on the module name, first key in the file's order wins).
+
+Linear or Conv1D is decided per layer, as PEFT decides it: by the layer's class, whatever ``fan_in_fan_out`` says
+(PEFT warns and overrides the flag: False for an nn.Linear, True for a Conv1D). Without the model's code the class
+comes from the base's ``config.json``: a transformers ``model_type`` names its layers' classes (``CONV1D_LAYERS``:
+the few model types with Conv1D layers, by layer name; every other matrix LoRA adapts is an nn.Linear). Where the
+config cannot say (no ``model_type``, or custom code via ``auto_map``), the shapes decide: W [out, in] = B@A or
+its transpose; a square W is then refused rather than guessed. The shapes must agree with the class in any case.
 
 Blocks are computed in float32 from rows of B (columns of A when transposed) in tiles of a fixed number of rows,
 so an element's value never depends on the block size; memory is the block plus one tile plus the smaller
@@ -25,6 +33,7 @@ embeddings, a rank that disagrees with the weights, and any other option rlmerge
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -46,6 +55,14 @@ HARMLESS = {"base_model_name_or_path", "revision", "task_type", "inference_mode"
             "rank_pattern", "alpha_pattern", "peft_type", "megatron_core", "qalora_group_size",
             "ensure_weight_tying", "loftq_config", "eva_config", "corda_config", "lora_ga_config"}
 REWRITE_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")  # init_lora_weights that change W at initialisation
+# transformers' model types with Conv1D layers (W stored [in, out]), by layer name: `grep -rl "Conv1D(" models/` in
+# transformers 5. Every other matrix LoRA adapts in a transformers model is an nn.Linear.
+_GPT2_CONV1D = frozenset({"c_attn", "q_attn", "c_proj", "c_fc"})
+CONV1D_LAYERS: dict[str, frozenset[str]] = {
+    "gpt2": _GPT2_CONV1D, "decision_transformer": _GPT2_CONV1D, "imagegpt": _GPT2_CONV1D,
+    "openai-gpt": frozenset({"c_attn", "c_proj", "c_fc"}),
+    "clvp": frozenset({"c_fc", "c_proj"}), "clvp_decoder": frozenset({"c_fc", "c_proj"}),
+}
 
 
 @dataclass(frozen=True)
@@ -55,7 +72,8 @@ class LoraModule:
     a: TensorInfo  # [r, in] (Embedding: [r, vocab])
     b: TensorInfo  # [out, r] (Embedding: [dim, r])
     scale: float
-    transposed: bool
+    transposed: bool  # Embedding and Conv1D; a Linear or Conv1D layer is known once bound to the base
+    embedding: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -135,7 +153,7 @@ class LoraAdapter(Checkpoint):
                                            hint="fix r / rank_pattern in adapter_config.json"))
                 continue
             scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-            self._modules[module + ".weight"] = LoraModule(a, b, scale, emb or bool(cfg.get("fan_in_fan_out")))
+            self._modules[module + ".weight"] = LoraModule(a, b, scale, emb, emb)
         return problems
 
     def bind(self, base: Checkpoint) -> list[RLMergeError]:
@@ -144,20 +162,31 @@ class LoraAdapter(Checkpoint):
             return []
         problems: list[RLMergeError] = []
         where = str(self._weights)
+        oriented: dict[str, LoraModule] = {}
         for name, mod in self._modules.items():
             info = base.tensors.get(name)
             if info is None and name.endswith("lm_head.weight") and base.tie_word_embeddings:
                 problems.append(InputError("the adapter changes lm_head, which the base ties to its embeddings",
                                            file=where, tensor=name,
                                            hint="merge against an untied copy of the base, or " + MERGE_INSTEAD))
-            elif info is None:
+                continue
+            if info is None:
                 problems.append(InputError("the adapter targets a tensor the base does not have", file=where,
                                            tensor=name, hint="pass the base model this adapter was trained on"))
-            elif info.shape != mod.shape or not info.is_float:
+                continue
+            conv1d = mod.embedding or _is_conv1d(base.config, name, mod, info)
+            if conv1d is None:
+                problems.append(InputError(
+                    f"cannot tell whether {name.removesuffix('.weight')} is a Linear layer (τ = s·B@A) or a Conv1D "
+                    "(τ = s·(B@A)ᵀ): the base's config.json names no transformers model_type (or its code comes "
+                    "with the model: auto_map) and the weight is square", file=where, tensor=name,
+                    hint=MERGE_INSTEAD))
+                continue
+            mod = oriented[name] = dataclasses.replace(mod, transposed=conv1d)
+            if info.shape != mod.shape or not info.is_float:
                 problems.append(InputError(f"LoRA product is {list(mod.shape)} but the base stores "
                                            f"{list(info.shape)} {info.dtype}", file=where, tensor=name,
-                                           hint="pass the base model this adapter was trained on"
-                                           + (" (is fan_in_fan_out right?)" if len(info.shape) == 2 else "")))
+                                           hint="pass the base model this adapter was trained on"))
         for name, full in self._full.items():
             info = base.tensors.get(name)
             if name in self._modules and problems:
@@ -172,6 +201,8 @@ class LoraAdapter(Checkpoint):
         self.tensors = {n: TensorInfo(n, i.dtype, i.shape, self._weights) for n, i in base.tensors.items()}
         if problems:
             return problems
+        self._modules = oriented
+        self._note_fan_in_fan_out()
         self._base = base
         self.config = {**base.config, **self.config}
         adapted = sum(base.tensors[n].numel for n in {*self._modules, *self._full})
@@ -184,6 +215,16 @@ class LoraAdapter(Checkpoint):
             "only where one agent alone adapted. Recommended: task_arithmetic or ties for LoRA agents; RAM / RAM+ "
             "only where the agents adapted different modules (see the per-module densities)")
         return []
+
+    def _note_fan_in_fan_out(self) -> None:
+        """PEFT's warning where ``fan_in_fan_out`` disagrees with a layer's class (the class wins, as in PEFT)."""
+        flag = bool(self.adapter_config.get("fan_in_fan_out"))
+        odd = [n for n, m in self._modules.items() if not m.embedding and m.transposed != flag]
+        if odd:
+            kind = "Linear" if flag else "Conv1D"
+            self.notes.append(f"agent {self.label}: adapter_config.json sets fan_in_fan_out: {str(flag).lower()}, "
+                              f"but {len(odd)} adapted layer(s) are {kind} ({odd[0]}…): as PEFT does, the layer's "
+                              f"class decides (τ = s·{'B@A' if flag else '(B@A)ᵀ'} there)")
 
     # -- reading ---------------------------------------------------------------------------------------
     def _stored_f32(self, info: TensorInfo, start: int, stop: int) -> torch.Tensor:
@@ -272,6 +313,20 @@ def _read_own(ckpt: LoraAdapter, info: TensorInfo, start: int, stop: int, out: t
     return dst.copy_(torch.frombuffer(view, dtype=info.dtype.torch, count=n))
 
 
+def _is_conv1d(config: dict[str, Any], name: str, mod: LoraModule, info: TensorInfo) -> bool | None:
+    """Whether the base layer ``name`` is a Conv1D (W stored [in, out]) rather than an nn.Linear, as PEFT tells
+    them apart (by class): from the config's transformers model types (the model's and its sub-models'), else
+    from the shapes; None when neither can say (no model type, or custom code, and a square W)."""
+    types = [c.get("model_type") for c in (config, *(v for v in config.values() if isinstance(v, dict)))]
+    if isinstance(config.get("model_type"), str) and not config.get("auto_map"):
+        layer = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        return any(layer in CONV1D_LAYERS.get(t, ()) for t in types if isinstance(t, str))
+    rows, cols = mod.b.shape[0], mod.a.shape[1]
+    if rows == cols:
+        return None
+    return tuple(info.shape) == (cols, rows)
+
+
 def _rank_alpha(cfg: dict[str, Any], module: str) -> tuple[int, float]:
     """r and α of one module, as PEFT 0.21's ``get_pattern_key`` picks them from rank_pattern / alpha_pattern."""
     def pick(pattern: Any, default: Any) -> Any:
@@ -296,13 +351,17 @@ def _config_problems(cfg: dict[str, Any], path: Path) -> list[RLMergeError]:
         refuse(f"peft_type {cfg.get('peft_type')!r}: rlmerge reads LoRA adapters only")
     if cfg.get("use_dora"):
         refuse("DoRA adapter (use_dora: true): its τ rescales W + B·A by column norms, not a LoRA product")
-    if not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
+    if not _is_rank(cfg.get("r")):
         refuse(f"r = {cfg.get('r')!r} is not a positive rank", "fix r in adapter_config.json")
-    alphas = [cfg.get("lora_alpha"), *(cfg.get("alpha_pattern") or {}).values()]
-    if any(not isinstance(a, (int, float)) or isinstance(a, bool) or a == 0 for a in alphas):
-        refuse(f"lora_alpha = {cfg.get('lora_alpha')!r}: 0 is the placeholder some converters write (verl's "
-               "model_merger without lora_train_meta.json), and with it τ would be 0",
+    alpha = cfg.get("lora_alpha")
+    if alpha == 0 and not isinstance(alpha, bool):
+        refuse("lora_alpha = 0: the placeholder some converters write (verl's model_merger without "
+               "lora_train_meta.json), and with it τ would be 0",
                "set lora_alpha (and alpha_pattern) in adapter_config.json to the values used in training")
+    elif not _is_alpha(alpha):
+        refuse(f"lora_alpha = {alpha!r} is not a non-zero number", "fix lora_alpha in adapter_config.json")
+    out += _pattern_problems(cfg, "rank_pattern", _is_rank, "a positive whole rank", where)
+    out += _pattern_problems(cfg, "alpha_pattern", _is_alpha, "a non-zero number (0 would make τ = 0)", where)
     init = str(cfg.get("init_lora_weights", True)).lower()
     if init.startswith(REWRITE_BASE):
         refuse(f"init_lora_weights {cfg.get('init_lora_weights')!r} rewrote the base weights at initialisation: "
@@ -314,6 +373,35 @@ def _config_problems(cfg: dict[str, Any], path: Path) -> list[RLMergeError]:
     for key, value in cfg.items():
         if key not in HARMLESS and key not in ("use_dora", "lora_bias") and value not in (None, False, {}, [], ""):
             refuse(f"adapter_config.json sets {key} = {value!r}, which rlmerge does not know to leave τ = s·B·A")
+    return out
+
+
+def _is_rank(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _is_alpha(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v != 0
+
+
+def _pattern_problems(cfg: dict[str, Any], key: str, ok: Any, what: str, where: str) -> list[RLMergeError]:
+    """rank_pattern / alpha_pattern: a mapping of regular expressions (as PEFT matches them) to values ``ok``
+    accepts; every bad entry, each named."""
+    pattern = cfg.get(key)
+    fix = f"fix {key} in adapter_config.json (module name pattern → value), or " + MERGE_INSTEAD
+    if pattern is None:
+        return []
+    if not isinstance(pattern, dict):
+        return [InputError(f"{key} is a {type(pattern).__name__}, not a mapping of module patterns to values",
+                           file=where, hint=fix)]
+    out: list[RLMergeError] = []
+    for k, v in pattern.items():
+        try:
+            re.compile(rf"(.*\.)?({k})$")
+        except re.error as e:
+            out.append(InputError(f"{key} key {k!r} is not a regular expression ({e})", file=where, hint=fix))
+        if not ok(v):
+            out.append(InputError(f"{key}[{k!r}] = {v!r} is not {what}", file=where, hint=fix))
     return out
 
 

@@ -134,3 +134,19 @@ class MemoryWriter(Immediate):
         """The merged checkpoint's config.json (the base's, with the output dtype), or {} if it has none."""
         raw = self.files.get("config.json")
         return json.loads(raw) if raw is not None else {}
+
+
+def save_copy(folder: Path, tensors: dict[str, Any], files: dict[str, bytes]) -> None:
+    """Write a candidate held in memory as a Hugging Face folder, for a program that reads one (a command scorer,
+    vLLM): ``model.safetensors`` (safetensors' own writer) and the side files (config, tokenizer, chat template).
+    ``folder`` is an empty folder the caller made and removes after: a scratch copy, not an output (no partial
+    folder, no provenance), so nothing here is kept."""
+    from safetensors.torch import save_file
+
+    for name in files:
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise InputError(f"a side file's name {name!r} is not a plain file name")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    for name, data in files.items():
+        (folder / name).write_bytes(data)

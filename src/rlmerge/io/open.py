@@ -73,6 +73,22 @@ def hub_id(spec: str | os.PathLike[str], path: Path) -> str | None:
     return None
 
 
+def checked_model_folder(spec: str | os.PathLike[str], *, what: str) -> Path:
+    """The folder of a Hugging Face model that another library (transformers) is about to load, after rlmerge's own
+    readers opened it (headers only) and closed it: the rules a merge's inputs are held to hold here too (every
+    file read lies inside the folder, no pickle runs code, headers that lie are refused). ``what`` says who needs
+    it, for the refusal of a layout transformers cannot load (verl shards, a LoRA adapter)."""
+    ckpt = open_one(spec)
+    try:
+        if ckpt.format not in ("safetensors", "bin"):
+            raise InputError(f"{what} loads a Hugging Face model folder, and this is a {ckpt.format} checkpoint",
+                             file=str(ckpt.path), hint="merge or convert it into a model folder first (rlmerge "
+                                                       "merge BASE IT -o FOLDER --method task_arithmetic)")
+        return ckpt.path
+    finally:
+        ckpt.close()
+
+
 def open_checkpoint(path: Path, *, label: str | None = None, revision: str | None = None) -> Checkpoint:
     """The reader for whatever ``path`` holds: a Hugging Face folder, verl FSDP shards, a PEFT LoRA adapter
     (io/layouts.py says how each is recognised, and refuses the layouts rlmerge cannot read)."""

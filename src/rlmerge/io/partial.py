@@ -6,7 +6,9 @@ Rules, for every command that writes (merge, fisher, inspect --save / --plots, d
 - A folder is written as ``<parent>/.<name>.rlmerge-partial`` and renamed onto the output only when complete.
   It ends with ``rlmerge.json``, whose ``files`` lists every other file with its size and CRC-32: the proof that
   rlmerge wrote the folder. ``--force`` replaces only a folder that proof matches (``not_ours`` says why not),
-  and deletes the replaced folder's listed files only, never a file it did not write.
+  and deletes the replaced folder's listed files only, never a file it did not write. What a manifest may delete
+  is decided in one place, ``listed_problem``: a listed name that is not a plain file of the folder itself
+  (absolute, ``..``, through a link) makes the whole folder foreign, for every command.
 - A partial folder found on disk is trusted only when it is a real folder owned by this user that holds nothing
   but files rlmerge writes there; files inside it are created afresh (``O_EXCL | O_NOFOLLOW``), so a planted
   link or hard link is never written through.
@@ -30,7 +32,7 @@ import stat
 import sys
 import tempfile
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +111,9 @@ def not_ours(folder: Path, *, checksums: bool = True) -> str | None:
     if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
         return "has an rlmerge.json without a list of files (written by an older rlmerge?), so it cannot be " \
                "proven that rlmerge wrote everything in it"
+    why = listed_problem(folder, files)
+    if why is not None:
+        return f"has an rlmerge.json that {why}"
     foreign, changed = [], []
     for e in entries:
         if e.name == MANIFEST:
@@ -131,15 +136,53 @@ def _list(names: list[str], most: int = 5) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _remove_ours(folder: Path, names: Sequence[str]) -> None:
-    """Unlink ``names`` (regular files only) inside ``folder``, then the folder if that left it empty."""
+def listed_problem(folder: Path, names: Iterable[Any], *, nested: Collection[str] = ()) -> str | None:
+    """The one rule for what a manifest may delete: why the ``names`` a manifest in ``folder`` lists are not all
+    files of ``folder`` itself (None when they are), so that the folder must be treated as foreign.
+
+    A name is a plain file name, or ``SUB/NAME`` for a sub-folder in ``nested`` (a sweep's ``cache``); never
+    absolute, never empty, ``.`` or ``..``, and never reached through a symbolic link: the sub-folder must be a real
+    folder and a listed entry that exists must not be a link. Every command that deletes what a manifest lists
+    (``merge --force``, ``sweep --force``, a sweep's stale ``best-N`` and scored candidates) asks this first.
+    """
+    root = os.path.realpath(folder)
+    for name in names:
+        if not isinstance(name, str):
+            return f"lists {name!r}, which is not a file name"
+        parts = name.split("/")
+        if (not name or "\0" in name or any(p in ("", ".", "..") for p in parts) or len(parts) > 2
+                or (len(parts) == 2 and parts[0] not in nested)):
+            return f"lists {name!r}, which is not a file inside it"
+        path = folder / name
+        if len(parts) == 2 and os.path.lexists(folder / parts[0]) and (
+                (folder / parts[0]).is_symlink() or not (folder / parts[0]).is_dir()):
+            return f"lists {name!r}, reached through {parts[0]}, which is not a real folder (a link?)"
+        if path.is_symlink():
+            return f"lists {name!r}, which is a symbolic link"
+        if os.path.dirname(os.path.realpath(path)) != os.path.join(root, *parts[:-1]).rstrip(os.sep):
+            return f"lists {name!r}, which resolves outside it"
+    return None
+
+
+def remove_listed(folder: Path, names: Sequence[str], *, nested: Collection[str] = (), rmdir: bool = True) -> None:
+    """Unlink the files a manifest of ``folder`` lists (regular files only; ``listed_problem`` first: a name that
+    is not a file of the folder refuses the whole folder and nothing is deleted), then the ``nested`` sub-folders
+    and (``rmdir``) the folder itself where that left them empty."""
+    why = listed_problem(folder, names, nested=nested)
+    if why is not None:
+        raise OutputError(f"the folder {why}, so it cannot be proven rlmerge's: nothing in it was deleted",
+                          file=str(folder), hint="move it away; rlmerge never deletes what it did not write")
     for name in names:
         p = folder / name
         with contextlib.suppress(FileNotFoundError):
             if p.is_symlink() or p.is_file():
                 p.unlink()
-    with contextlib.suppress(OSError):  # something else is in it: it stays
-        folder.rmdir()
+    for sub in nested:
+        with contextlib.suppress(OSError):  # something else is in it: it stays
+            (folder / sub).rmdir()
+    if rmdir:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 # -- checks before any work --------------------------------------------------------------------------------
@@ -523,7 +566,7 @@ class PartialDir:
                 except OSError:
                     os.replace(old, self.output)  # put the earlier output back
                     raise
-                _remove_ours(old, list(now.files))
+                remove_listed(old, list(now.files))
             else:
                 _rename_noreplace(self.tmp, self.output)
             for name in (LOCK, PROGRESS):  # bookkeeping goes only after the rename: no window loses the work
@@ -550,8 +593,8 @@ class PartialDir:
             else:
                 exc.rlmerge_hint = hint
         elif self._lock_fd is not None:
-            with contextlib.suppress(OSError):
-                _remove_ours(self.tmp, [n for n in self._names() if n != LOCK])
+            with contextlib.suppress(OSError, OutputError):  # a link planted meanwhile: the folder stays
+                remove_listed(self.tmp, [n for n in self._names() if n != LOCK], rmdir=False)
                 (self.tmp / LOCK).unlink()
                 self.tmp.rmdir()
         self._unlock()

@@ -10,13 +10,13 @@ removed). The rules of ``partial.py`` hold here too:
   name and renamed onto it, so a crash leaves the old file or the new one, never half of one;
 - an existing folder is continued (``resume``) or started over (``force``) only when everything in it is
   rlmerge's: listed files unchanged, checkpoint folders that ``partial.not_ours`` proves rlmerge's; nothing else
-  is ever deleted or replaced;
+  is ever deleted or replaced. Every manifest here (``rlmerge-sweep.json``, each checkpoint's ``rlmerge.json``)
+  lists only files of its own folder (``partial.listed_problem``), or the whole sweep folder is refused;
 - while a sweep runs it holds an exclusive ``flock`` on ``.lock``: a second sweep into the same folder is refused.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -31,14 +31,16 @@ import numpy as np
 
 from ..errors import OutputError, RLMergeError, raise_all
 from .checkpoint import Checkpoint
+from .partial import MANIFEST as CHECKPOINT_MANIFEST
 from .partial import (
     _overlap,
-    _remove_ours,
     _roots,
     create_file,
     disk_error,
     file_crc32,
+    listed_problem,
     not_ours,
+    remove_listed,
     take_lock,
     target,
 )
@@ -96,6 +98,9 @@ class SweepDir:
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("files"), dict):
             return f"holds {', '.join(names[:5])} and no {MANIFEST}, so rlmerge did not write it"
         listed: dict[str, Any] = doc["files"]
+        why = listed_problem(self.path, listed, nested=(CACHE,))
+        if why is not None:
+            return f"has a {MANIFEST} that {why}"
         foreign, changed = [], []
         for name in names:
             p = self.path / name
@@ -106,8 +111,16 @@ class SweepDir:
                     inner = [f"{CACHE}/{e.name}" for e in it]
                 foreign += [n for n in inner if n not in listed and not _TMP.fullmatch(n.split("/")[1])]
                 changed += [n for n in inner if n in listed and not _same(self.path / n, listed[n])]
-            elif (_FOLDER.fullmatch(name) or _PARTIAL.fullmatch(name)) and p.is_dir() and not p.is_symlink():
-                continue  # a checkpoint: proven (partial.not_ours) before it is replaced or removed
+            elif _FOLDER.fullmatch(name) and p.is_dir() and not p.is_symlink():
+                # a checkpoint: proven (partial.not_ours) before it is replaced or removed; what its manifest
+                # lists is checked now, so that a lie there refuses the sweep before any work
+                inner = _read_json(p / CHECKPOINT_MANIFEST)
+                files = inner.get("files") if isinstance(inner, dict) else None
+                why = listed_problem(p, files) if isinstance(files, dict) else None
+                if why is not None:
+                    return f"holds {name}, whose {CHECKPOINT_MANIFEST} {why}"
+            elif _PARTIAL.fullmatch(name) and p.is_dir() and not p.is_symlink():
+                continue  # an interrupted checkpoint: partial.py's rules decide before it is reused
             elif name in listed and not p.is_symlink() and p.is_file():
                 if not _same(p, listed[name]):
                     changed.append(name)
@@ -156,13 +169,11 @@ class SweepDir:
             if why is not None:
                 raise OutputError(f"--force replaces only what rlmerge wrote, and {p.name} {why}", file=str(p),
                                   hint="move it away, then rerun")
-        for p in folders:
-            doc = _read_json(p / "rlmerge.json") or {}
-            _remove_ours(p, [*doc.get("files", {}), "rlmerge.json"])
-        _remove_ours(self.path / CACHE, [n.split("/", 1)[1] for n in self.files if n.startswith(CACHE + "/")])
-        for name in [n for n in self.files if "/" not in n]:
-            with contextlib.suppress(FileNotFoundError):
-                (self.path / name).unlink()
+        for p in folders:  # proven above
+            doc = _read_json(p / CHECKPOINT_MANIFEST) or {}
+            remove_listed(p, [*doc.get("files", {}), CHECKPOINT_MANIFEST])
+        # the sweep's own files (checked by ``_foreign`` when the folder was claimed); never the lock we hold
+        remove_listed(self.path, [n for n in self.files if n not in (MANIFEST, LOCK)], nested=(CACHE,), rmdir=False)
         self.files = {}
 
     # -- files ----------------------------------------------------------------------------------------------
@@ -191,6 +202,11 @@ class SweepDir:
             raise ValueError(f"not a sweep checkpoint name: {name!r}")
         return self.path / name
 
+    def kept(self) -> list[str]:
+        """The ``best-N`` checkpoint folders in the sweep folder (real folders, not links), by name."""
+        return sorted(p.name for p in self.path.iterdir()
+                      if _FOLDER.fullmatch(p.name) and p.name.startswith("best-") and p.is_dir() and not p.is_symlink())
+
     def remove_checkpoint(self, name: str) -> None:
         """Delete checkpoint ``name`` (its listed files only), once proven rlmerge's; anything else stays."""
         self.remove_written(self.checkpoint(name))
@@ -208,8 +224,8 @@ class SweepDir:
         why = not_ours(folder)
         if why is not None:
             raise OutputError(f"{folder.name} {why}: it is left as it is", file=str(folder))
-        doc = _read_json(folder / "rlmerge.json") or {}
-        _remove_ours(folder, [*doc.get("files", {}), "rlmerge.json"])
+        doc = _read_json(folder / CHECKPOINT_MANIFEST) or {}
+        remove_listed(folder, [*doc.get("files", {}), CHECKPOINT_MANIFEST])
 
     # -- the statistics cache's store (engine/cache.Store) -----------------------------------------------------
     def read_arrays(self, name: str) -> dict[str, np.ndarray] | None:

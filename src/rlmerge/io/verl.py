@@ -34,7 +34,7 @@ from typing import Any
 
 from .._torch import torch
 from ..errors import InputError
-from .checkpoint import SIDE_FILES, Checkpoint, TensorInfo
+from .checkpoint import SIDE_FILES, Checkpoint, TensorInfo, dense_dtype
 from .dtypes import BF16, F32, DType, from_torch
 from .layouts import VERL_RANK
 
@@ -130,6 +130,8 @@ class VerlCheckpoint(Checkpoint):
         for k, v in state.items():
             if not isinstance(v, torch.Tensor):
                 raise InputError(f"the shard holds a {type(v).__name__}, not a tensor", file=str(f), tensor=k)
+            dense_dtype(f, k, v._local_tensor if _is_dtensor(v) else v,  # meta, sparse, complex: refused here
+                        hint=f"convert it with {CONVERT.format(actor=self.path)} and pass MERGED")
             if "lora_" in k:
                 raise InputError("a verl LoRA run's shards: rlmerge reads its adapter, not the shards", file=str(f),
                                  tensor=k, hint=f"run {CONVERT.format(actor=self.path)} and pass MERGED/lora_adapter "

@@ -28,6 +28,7 @@ from rlmerge.lab.pipeline import SIZES, LabSize, SeedResult, _eval_sets, _log, _
 from rlmerge.lab.sft import train_sft_agent
 from rlmerge.lab.tasks import FAMILIES
 from rlmerge.lab.workdir import claim
+from rlmerge.sandbox import ensure_isolation
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ def _agents_for(dial: Dial, size: LabSize, seed_dir: Path, work: Path, seed: int
 def run_mechanism(seed_dir: Path, out: Path, *, seed: int, size_name: str = "tiny") -> dict[str, Any]:
     """Every dial from one lab seed's base (`seed_dir` = a `rlmerge lab` output's seedN folder)."""
     size = SIZES[size_name]
+    ensure_isolation()  # the coding agents' rewards and scores run model-written programs
     claim(out, [seed_dir], what="rlmerge lab --mechanism-from")
     test = _eval_sets(size, "test", size.n_test, seed)
     base = seed_dir / "base"

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from rlmerge.errors import InputError
 from rlmerge.lab.tasks import Example
 from rlmerge.lab.tokenizer import load_tokenizer
 from rlmerge.lab.views import WORD_MAX_NEW_TOKENS, Kind, task_view
@@ -25,6 +26,12 @@ def generate(
     batch_size: int = 64,
 ) -> list[str]:
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:  # a tokenizer without one (the demo's, many base models'): pad with eos,
+        if tokenizer.eos_token is None:  # which the attention mask hides, as transformers suggests
+            raise InputError("the tokenizer has neither a padding nor an end-of-sequence token: batched greedy "
+                             "answers cannot be generated", hint="set pad_token or eos_token in the model's "
+                                                                 "tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
     outputs: list[str] = []
     for i in range(0, len(prompts), batch_size):
         enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)

@@ -83,8 +83,12 @@ def evaluate_candidates(
             cache=cache,
         )
         ids = [c.id for c in cands]
+    except rlmerge.NothingScored as err:  # the lab's own scorer failing is a bug to see, not a row to skip
+        raise RuntimeError(str(err)) from err
     except rlmerge.RLMergeError as err:  # e.g. a preset or parameter this engine does not know
         raise MergeFailed(str(err)) from err
+    if res.failed:  # the sweep records a scorer's failure and goes on; a row's numbers must not lack a candidate
+        raise RuntimeError(f"the scorer failed on {len(res.failed)} candidate(s): {res.failed[0].error}")
     scored = {s.candidate.id: s for s in res.scored}
     rank = {s.candidate.id: i for i, s in enumerate(res.ranking)}
     out = []

@@ -114,18 +114,38 @@ def run_harness(
         >>> run_harness(model, tok, ["my_task"], include_path=[Path("tasks/")])  # doctest: +SKIP
         {'my_task': {'acc,none': 0.4, 'acc_stderr,none': 0.24}}
     """
-    lm_eval = _import_lm_eval()
+    _import_lm_eval()
     from lm_eval.models.huggingface import HFLM
 
-    manager = _task_manager(tuple(str(p) for p in include_path))
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    results = evaluate(lm, tasks, include_path=include_path, limit=limit, num_fewshot=num_fewshot, seed=seed)
+    out: dict[str, dict[str, float]] = {}
+    for task, metrics in results["results"].items():
+        out[task] = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and k != "sample_len"}
+    return out
+
+
+def evaluate(
+    lm: Any,
+    tasks: Sequence[str],
+    *,
+    include_path: Sequence[Path] = (),
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    seed: int = 0,
+    log_samples: bool = False,
+) -> dict[str, Any]:
+    """lm-eval's own results document (``results``, ``n-samples``, ``group_subtasks``, and with ``log_samples``
+    each example's ``samples``) for an lm-eval model object (HFLM around a loaded model, or lm-eval's VLLM)."""
+    lm_eval = _import_lm_eval()
+    manager = _task_manager(tuple(str(p) for p in include_path))
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=list(tasks),
         num_fewshot=num_fewshot,
         limit=limit,
         task_manager=manager,
-        log_samples=False,
+        log_samples=log_samples,
         random_seed=seed,
         numpy_random_seed=seed,
         torch_random_seed=seed,
@@ -133,7 +153,4 @@ def run_harness(
     )
     if results is None:  # only on non-zero ranks of a distributed run, which this never starts
         raise RuntimeError("lm-eval returned no results")
-    out: dict[str, dict[str, float]] = {}
-    for task, metrics in results["results"].items():
-        out[task] = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and k != "sample_len"}
-    return out
+    return results

@@ -42,6 +42,7 @@ from rlmerge.lab.tasks import FAMILIES, Example, make_family, make_split
 from rlmerge.lab.tokenizer import build_tokenizer
 from rlmerge.lab.views import Kind
 from rlmerge.lab.workdir import claim
+from rlmerge.sandbox import ensure_isolation
 from rlmerge.scorers import TaskScorer
 
 
@@ -353,6 +354,7 @@ def run_lab(
     size_name: str, out: Path, *, seeds: int = 1, first_seed: int = 0, methods: list[MethodPlan] | None = None
 ) -> dict[str, Any]:
     """Run the whole lab for `seeds` seeds and write results.json, table.md and plot.png into `out`."""
+    ensure_isolation()  # the coding agents' rewards and scores run model-written programs: refused before any work
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(var, "1")
     # One thread: the lab's matrices are tiny, and on a shared 2-core machine a second OpenMP thread

@@ -41,13 +41,16 @@ def to_markdown(doc: dict[str, Any], *, plot: bool) -> str:
     settings = doc.get("settings") or {}
     if settings:
         lines += ["Settings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items()) + ".", ""]
-    lines += [f"## Candidates, best average first ({len(by_id)} of {len(doc.get('planned', by_id))} scored)", "",
+    failed = [c for c in by_id.values() if c.get("error") is not None]
+    lines += [f"## Candidates, best average first ({len(by_id) - len(failed)} of {len(doc.get('planned', by_id))} "
+              f"scored{f', {len(failed)} failed' if failed else ''})", "",
               "| rank | candidate | " + "".join(f"{t} | " for t in tasks) + "average | Pareto | kept | built in |"
               " merge s | score s |",
               "|---:|---|" + "---:|" * len(tasks) + "---:|:-:|---|---|---:|---:|"]
     for rank, cid in enumerate(doc.get("ranking", []), 1):
         c = by_id[cid]
-        cells = [str(rank), f"`{c['label']}`", *(_fmt(c["scores"].get(t)) for t in tasks), _fmt(c["average"]),
+        average = "failed" if c.get("error") is not None else _fmt(c["average"])
+        cells = [str(rank), f"`{c['label']}`", *(_fmt(c["scores"].get(t)) for t in tasks), average,
                  "★" if cid in front else "", kept.get(cid, ""), c["where"], f"{c['merge_seconds']:.1f}",
                  f"{c['score_seconds']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -55,6 +58,10 @@ def to_markdown(doc: dict[str, Any], *, plot: bool) -> str:
               "Candidates no other beats on every task (≥ everywhere, > somewhere):", ""]
     lines += [f"- `{by_id[cid]['label']}`: " + ", ".join(f"{t} {_fmt(by_id[cid]['scores'].get(t))}" for t in tasks)
               for cid in doc.get("pareto", [])] or ["- (no scores)"]
+    if failed:
+        lines += ["", "## Candidates the scorer failed on", "",
+                  "Merged, not scored, ranked last and never kept; `--resume` scores them again:", ""]
+        lines += [f"- `{c['label']}`: " + " ".join(str(c["error"]).split()) for c in failed]
     cands = list(by_id.values())
     stats = sum(c["passes"].count("statistics") for c in cands)
     merges = sum(c["passes"].count("merge") for c in cands)

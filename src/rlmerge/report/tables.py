@@ -143,19 +143,20 @@ def precision_line(doc: dict[str, Any]) -> str | None:
 
 def print_report(doc: dict[str, Any], console: Any) -> None:
     """Render to a rich Console."""
+    from rich.markup import escape
     from rich.table import Table
 
-    console.print(f"[bold]Task-vector anatomy[/]: {len(doc['agents'])} agent(s) against base {doc['base']}")
-    for s in sections(doc):
-        table = Table(title=s.title, caption=s.note or None, caption_justify="left")
+    console.print(f"[bold]Task-vector anatomy[/]: {len(doc['agents'])} agent(s) against base {escape(doc['base'])}")
+    for s in sections(doc):  # every text is data, not markup: agent paths, notes
+        table = Table(title=escape(s.title), caption=escape(s.note) if s.note else None, caption_justify="left")
         for i, c in enumerate(s.columns):
-            table.add_column(c, justify="right" if i in s.right else "left")
+            table.add_column(escape(c), justify="right" if i in s.right else "left")
         for row in s.rows:
-            table.add_row(*row)
+            table.add_row(*(escape(str(cell)) for cell in row))
         console.print(table)
     line = precision_line(doc)
     if line:
-        console.print(line)
+        console.print(line, markup=False)
     for w in doc["warnings"]:
-        console.print(f"[yellow]warning:[/] {w}")
-    console.print(f"[bold green]recommendation[/] {doc['recommendation']['summary']}")
+        console.print(f"[yellow]warning:[/] {escape(w)}")
+    console.print(f"[bold green]recommendation[/] {escape(doc['recommendation']['summary'])}")

@@ -1,18 +1,23 @@
 """Coding: write a one-line Python program whose printed output a checker verifies by running it.
 
 The request names an operation on a literal ("print the largest number in [3, 9, 2]"). Any program is
-accepted whose stdout, run in the sandbox, equals the expected output: the checker runs the code, it does
-not compare text with the gold program.
+accepted whose stdout, run in the sandbox (``rlmerge.sandbox``: OS isolation), equals the expected output: the
+checker runs the code, it does not compare text with the gold program.
+
+Before running, an answer that imports, names a dunder or a builtin that reaches files or the interpreter is
+refused (``static_check``): a friendly early refusal that saves a sandbox start and that the reward can rely on
+("no imports" is part of the task), not the security boundary; the sandbox is.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import random
 from collections.abc import Callable
 
 from rlmerge.lab.tasks.base import Example, answer_part
-from rlmerge.lab.tasks.sandbox import run_python
+from rlmerge.sandbox import run_python
 
 WORDS = ["cat", "moon", "tree", "river", "stone", "bird", "cloud", "lamp"]
 
@@ -52,11 +57,36 @@ OPS: dict[str, tuple[list[str], str, Callable[[list[int] | str], str]]] = {
 }
 STRING_OPS = {"upper", "reverse"}
 
+FORBIDDEN_NAMES = frozenset({"open", "exec", "eval", "compile", "__import__", "globals", "locals", "vars", "getattr",
+                             "setattr", "delattr", "input", "breakpoint", "help", "exit", "quit", "memoryview",
+                             "classmethod", "type", "object"})
+
+
+def static_check(code: str) -> str | None:
+    """Why an answer is refused before running, or None when it may run. Not a sandbox: a ban-list cannot be made
+    complete (tests/test_sandbox.py runs code that passes it and reaches ``__import__``)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as err:
+        return f"syntax error: {err.msg}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            return "import"
+        if isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES:
+            return f"forbidden name {node.id}"
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            return f"private attribute {node.attr}"
+        if isinstance(node, ast.Name) and node.id.startswith("__"):
+            return f"dunder name {node.id}"
+    return None
+
 
 @functools.lru_cache(maxsize=4096)
 def _run_cached(code: str, timeout_s: float) -> tuple[bool, str]:
     # The programs are deterministic (no input, no clock, no randomness without imports), and a GRPO group
     # often holds the same program several times: one sandbox run per distinct program is enough.
+    if static_check(code) is not None:
+        return False, ""
     result = run_python(code, timeout_s=timeout_s)
     return result.ok, result.stdout.strip()
 
