@@ -112,6 +112,13 @@ _SYMBOL = {"add": "+", "sub": "-", "mul": "*", "div": "/", "gt": ">", "ge": ">="
 _UNARY = {"neg": "-{}", "not": "not {}", "abs": "abs({})"}
 
 
+def _f32_source(value: float) -> str:
+    """Source for the float32 ``value`` exactly: its bit pattern, reinterpreted (``_u32_as_f32``), with the value in a
+    comment. Python's repr of a float is not source for every value (``inf``, ``nan``)."""
+    bits = int(np.array(value, dtype=np.float32).view(np.uint32))
+    return f"_u32_as_f32(np.uint32({bits:#010x}))  # {float(np.float32(value))!r}"
+
+
 def _program_lines(p: Program) -> tuple[list[str], list[str], str]:
     """(lines before the loop, lines in it, the merged value's variable): one line per program operation."""
     hoisted, body, names = [], [], []
@@ -122,8 +129,8 @@ def _program_lines(p: Program) -> tuple[list[str], list[str], str]:
             v = "b"
         elif op.name == "tau":
             v = f"x{op.args[0]}"
-        elif op.name == "lit":
-            hoisted.append(f"    {v} = np.float32({op.args[0]!r})")
+        elif op.name == "lit":  # by its bits: exact for every float32, inf and nan too (repr would say `inf`)
+            hoisted.append(f"    {v} = {_f32_source(op.args[0])}")
         elif op.name == "const":
             hoisted.append(f"    {v} = consts[{p.consts.index(op.args[0])}]")
         elif op.name == "agent":

@@ -2,8 +2,10 @@
 
 A rule is a function ``rule(t, params)`` of ``Terms``: the element's base value ``t.b``, each agent's task
 vector ``t.x[i]`` (θ_i − θ₀, float32), the method's per-tensor constants ``t.const.NAME`` and per-agent constants
-``t.agent.NAME[i]``, and literals ``t.lit(v)``. It combines them with ``+ − × ÷``, ``abs``, comparisons
-(``.eq`` for ``==``), ``& | ~`` and ``t.where(cond, a, b)``, and returns the merged value.
+``t.agent.NAME[i]``, and literals ``t.lit(v)`` (any float32, ±inf included). It combines them with ``+ − × ÷``,
+``abs``, comparisons (``.eq`` for ``==``), ``& | ~`` and ``t.where(cond, a, b)``, and returns the merged value.
+Built from those: ``t.count(conds)``, ``t.sort(values, where)`` (a sorting network over the agents, those outside
+``where`` last) and ``t.kth(values, k, where)`` (an order statistic over the agents a predicate selects).
 
 Tracing it for N agents gives a ``Program``: float32 operations in a fixed order, each operand computed before it
 is used, the same operation on the same operands computed once. The numba backend writes the program into its
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,6 +192,55 @@ class Terms:
 
     def where(self, cond: Expr, a: Any, b: Any) -> Expr:
         return self._builder.op("where", cond, a, b)
+
+    def count(self, conds: Sequence[Expr]) -> Expr:
+        """How many of ``conds`` hold: 0 + [c₀] + [c₁] + …, in order (an exact small integer in float32)."""
+        zero, one = self.lit(0.0), self.lit(1.0)
+        total = zero
+        for c in conds:
+            total = total + self.where(c, one, zero)
+        return total
+
+    def sort(self, values: Sequence[Any], where: Sequence[Expr] | None = None) -> list[Expr]:
+        """``values`` in ascending order, by a sorting network (``network``: compare-exchanges, each two selects).
+        With ``where`` (one condition per value), the values whose condition fails are +inf and come last. Ties keep
+        their order; a NaN compares false and stays where the network leaves it (the same on every backend)."""
+        inf = self.lit(math.inf)
+        vals = [v if where is None else self.where(w, v, inf) for v, w in zip(values, where or values)]
+        for i, j in network(len(vals)):
+            a, b = vals[i], vals[j]
+            swap = b < a
+            vals[i], vals[j] = self.where(swap, b, a), self.where(swap, a, b)
+        return vals
+
+    def kth(self, values: Sequence[Any], k: Expr | int, where: Sequence[Expr] | None = None) -> Expr:
+        """The k-th smallest (0-based) of ``values`` over those whose ``where`` condition holds (every one without
+        ``where``): +inf when k reaches their count. ``k``: an int, or an integer-valued expression in [0, N)
+        (e.g. from ``count``), chosen per element by selects."""
+        ordered = self.sort(values, where)
+        if isinstance(k, int):
+            return ordered[k]
+        out = ordered[-1]
+        for j in range(len(ordered) - 2, -1, -1):
+            out = self.where(k.eq(float(j)), ordered[j], out)
+        return out
+
+
+def network(n: int) -> list[tuple[int, int]]:
+    """The compare-exchanges (i, j), i < j, of Batcher's merge-exchange sort of ``n`` values (Knuth, TAOCP vol. 3,
+    5.2.2, Algorithm M): after them, in order, position i holds the i-th smallest. 3 for n = 3, 19 for n = 8."""
+    pairs: list[tuple[int, int]] = []
+    if n < 2:
+        return pairs
+    t = (n - 1).bit_length()
+    p = 1 << (t - 1)
+    while p > 0:
+        q, r, d = 1 << (t - 1), 0, p
+        while d > 0:
+            pairs += [(i, i + d) for i in range(n - d) if i & p == r]
+            d, q, r = q - p, q >> 1, p
+        p >>= 1
+    return pairs
 
 
 Rule = Callable[[Terms, Any], Expr]
