@@ -4,7 +4,7 @@ candidate alone.
 Oracle: the loop the lab ran before the sweep, kept here as the reference: each candidate merged alone by
 `rlmerge.merge` in float32 into its own folder, scored from disk by the lab's own `score_checkpoint` (the model
 loaded by `from_pretrained`), the pick the best validation average, the first of equals. The sweep builds the
-candidates in memory and scores them with `rlmerge.scorers.TaskScorer`; its per-family scores must equal the
+candidates in memory and scores them with `rlmerge.scoring.TaskScorer`; its per-family scores must equal the
 reference's (both are 100 × the same fraction), its pick the reference's, and its kept `best-1` the reference
 merge of the pick, byte for byte (bar the provenance files, which name the sweep).
 """
@@ -28,7 +28,7 @@ from conftest import CHAT_TEMPLATE, lab_checkpoints  # noqa: E402
 from rlmerge.lab.evaluate import score_checkpoint  # noqa: E402
 from rlmerge.lab.grid import evaluate_candidates, pick  # noqa: E402
 from rlmerge.lab.tasks import FAMILIES, make_family, make_split  # noqa: E402
-from rlmerge.scorers import TaskScorer  # noqa: E402
+from rlmerge.scoring import TaskScorer  # noqa: E402
 
 N_VAL = 16
 PROVENANCE = ("rlmerge.json", "README.md")  # name the sweep (its candidate, rank, scores): not the merge's bytes

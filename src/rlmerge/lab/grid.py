@@ -3,7 +3,7 @@
 `evaluate_candidates` is the one function that does the search: a row's grid in, validation scores out. It runs
 the engine's `rlmerge.sweep` once: every candidate is merged in float32 (so that no method is rounded back to
 bf16 before it is scored), in memory where it fits, and scored by the scorer the sweep calls (the lab's:
-`rlmerge.scorers.TaskScorer` on the validation split, in the view of the lab's models, `views.py`); only the
+`rlmerge.scoring.TaskScorer` on the validation split, in the view of the lab's models, `views.py`); only the
 sweep's best is written, as `best-1/` in the row's sweep folder. A cache the caller passes (`engine.cache.
 StatsCache`) lets the rows of one seed count each statistic once: RAM+'s counts serve every RAM+ row but
 magnitude-ρ's (its exact sums are not cached).

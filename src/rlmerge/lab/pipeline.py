@@ -43,7 +43,7 @@ from rlmerge.lab.tokenizer import build_tokenizer
 from rlmerge.lab.views import Kind
 from rlmerge.lab.workdir import claim
 from rlmerge.sandbox import ensure_isolation
-from rlmerge.scorers import TaskScorer
+from rlmerge.scoring import TaskScorer
 
 
 @dataclass(frozen=True)
