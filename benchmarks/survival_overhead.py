@@ -15,8 +15,8 @@ import time
 import numpy as np
 
 from rlmerge import kernels
-from rlmerge.engine.fast import RuleArgs
 from rlmerge.methods import get_method
+from rlmerge.stream.fast import RuleArgs
 
 
 def main() -> None:

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 import rlmerge
 from conftest import TINY
 from rlmerge import kernels
-from rlmerge.engine import fast as fastpath
 from rlmerge.engine import fast_random as fastdare
 from rlmerge.methods._ops import RNG_CHUNK, chunk_seed, row_ranks, uniform
+from rlmerge.stream import fast as fastpath
 from rlmerge.synthetic import config, make_example
 from test_fastdare import WIDE, assert_fast_is_torch, plain_sum
 from test_fastpath import _edge_models

@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 import rlmerge
 from conftest import TINY, load_output
 from rlmerge import kernels
-from rlmerge.engine import fast as fastpath
 from rlmerge.errors import InputError
 from rlmerge.stats import TensorStats
+from rlmerge.stream import fast as fastpath
 from rlmerge.synthetic import config, make_example
 
 pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed: no fast path to test")
@@ -299,8 +299,8 @@ def _mapped_rss(paths: set[str]) -> int:
 def test_released_blocks_leave_no_mapped_pages_behind(tmp_path: Path) -> None:
     """Each block's pages are handed back in whole folios: a fault maps a folio's every page, so a block's first
     fault would re-map the tail of the block before it, and 4 % of every input used to stay resident."""
-    from rlmerge.engine.match import match_models
     from rlmerge.io.open import open_all
+    from rlmerge.stream.match import match_models
     from rlmerge.synthetic import Shape
 
     shape = Shape("qwen2", vocab=4096, hidden=256, layers=2, heads=4, kv_heads=2, intermediate=1024, tie=True)

@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from rlmerge.engine.match import match_models
 from rlmerge.errors import ConfigError, RLMergeError
 from rlmerge.io.checkpoint import DTYPES, Checkpoint
 from rlmerge.methods import REGISTRY, get_method
 from rlmerge.recipe import load_recipe, parse_recipe
+from rlmerge.stream.match import match_models
 
 settings.register_profile("ci", max_examples=150, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])

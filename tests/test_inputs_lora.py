@@ -19,10 +19,10 @@ import torch
 import rlmerge
 from conftest import TINY, assert_same_tensors, load_output, numba_route
 from rlmerge.engine.dryrun import dry_run
-from rlmerge.engine.fast import eligible
-from rlmerge.engine.match import match_models
 from rlmerge.errors import InputError, RLMergeError
 from rlmerge.io.open import open_all
+from rlmerge.stream.fast import eligible
+from rlmerge.stream.match import match_models
 from rlmerge.synthetic import make_example
 
 peft = pytest.importorskip("peft", reason="peft is in the lora extra (make setup installs it)")

@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("statistics", ("rlmerge.stats",)),
     ("methods", ("rlmerge.methods",)),
     ("kernels", ("rlmerge.kernels",)),
+    ("stream", ("rlmerge.stream",)),
     ("report", ("rlmerge.report",)),
     ("engine", ("rlmerge.engine",)),
     ("tools", ("rlmerge.synthetic", "rlmerge.sandbox")),

@@ -40,7 +40,7 @@ from ..io.memory import Immediate
 from ..io.partial import PartialDir
 from ..io.vocab import VOCAB_SUFFIXES
 from ..io.writer import SideFiles
-from .match import Job
+from ..stream.match import Job
 
 PREFIX = "base_model.model."
 NON_LINEAR = ("save", "refuse")

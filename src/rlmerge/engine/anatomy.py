@@ -17,9 +17,9 @@ from ..io.partial import output_problems, write_file
 from ..methods import BlockContext
 from ..report import Report, build_report, dtype_facts
 from ..stats import Magnitudes, Statistics
+from ..stream.blocks import DEFAULT_BLOCK, BlockReader, device_type
+from ..stream.match import match_models
 from .backends import Run, TorchBackend
-from .blocks import DEFAULT_BLOCK, BlockReader, device_type
-from .match import match_models
 from .passes import statistics_pass
 from .preflight import parse_block_size
 from .progress import Progress

@@ -1,8 +1,8 @@
 """The backends that run a merge's two passes, behind one interface; ``route`` says which runs which tensor.
 
-- ``TorchBackend``: float32 blocks read into reused buffers (blocks.py) and the method's torch reference (any
+- ``TorchBackend``: float32 blocks read into reused buffers (stream/blocks.py) and the method's torch reference (any
   method, input, device);
-- ``FusedBackend``: the numba block stream (fast.py) and the method's elementwise rule compiled
+- ``FusedBackend``: the numba block stream (stream/fast.py) and the method's elementwise rule compiled
   (kernels/fused.py);
 - ``SelectBackend`` (fast_select.py): TIES / Breadcrumbs thresholds and merge on the numba block stream;
 - ``RandomBackend`` (fast_random.py): DARE / DELLA on the numba block stream.
@@ -26,12 +26,12 @@ from ..io.checkpoint import Checkpoint
 from ..io.writer import CheckpointWriter
 from ..methods import BlockContext, MethodSpec
 from ..stats import Statistics, TensorStats, check_finite
+from ..stream.blocks import Block, BlockReader, tensor_bytes
+from ..stream.fast import FastPath, RuleArgs, job_reads, statistics_pass_fast, write_slot
+from ..stream.match import Job, Match
 from . import survival
-from .blocks import Block, BlockReader, tensor_bytes
-from .fast import FastPath, merge_job_fast, rule_args, statistics_pass_fast
 from .fast_random import RandomBackend
 from .fast_select import SelectBackend
-from .match import Job, Match
 from .route import Route
 
 
@@ -105,6 +105,29 @@ def closing(fast: Backend | None) -> Iterator[None]:
 
 def _count_read(run: Run, nbytes: int) -> None:
     run.read_bytes += nbytes
+
+
+def rule_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None, n: int, eps: float,
+              name: str) -> RuleArgs:
+    """The fused kernel's arguments for tensor ``name`` of an elementwise method."""
+    prog = spec.program(p, n)
+    assert prog is not None  # the route sends only methods with a rule here
+    values = spec.values(p, prepared, ts, n, name)
+    consts, agent_consts = prog.arrays(values)
+    return RuleArgs(prog, consts, agent_consts, np.float32(eps), survival.rescaled(spec, values, n))
+
+
+def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: RuleArgs, ts: TensorStats | None,
+                   out: CheckpointWriter, bar: Any) -> None:
+    """All blocks of one eligible job: fused kernel, statistics into ``ts`` when given, queued write; a rescale's
+    survival counted and noted with the tensor (survival.py)."""
+    counts = None if args.rescaled is None else np.zeros((fast.threads, len(args.rescaled), 2), dtype=np.int64)
+    for _, start, stop, slot, base, agents in job_reads(fast, blocks, job, 1):
+        merged = fast.out_view(slot, job, stop - start)
+        fast.run(job, start, base, agents, args, merged, ts, counts)
+        write_slot(out, slot, merged, bar)
+    if counts is not None:
+        out.annotate(job.name, {survival.NOTE: counts.sum(0).tolist()})
 
 
 class TorchBackend:

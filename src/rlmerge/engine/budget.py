@@ -82,7 +82,7 @@ def _mapped(models: Sequence[Checkpoint]) -> int:
 
 def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, rows: bool = False,
                   mask_bytes: int = 0) -> MemoryEstimate:
-    """Peak resident memory of a merge whose merged tensors all take the numba block stream (engine/fast.py).
+    """Peak resident memory of a merge whose merged tensors all take the numba block stream (stream/fast.py).
 
     No torch: ``FAST_BASELINE`` (the interpreter, numpy, numba, the loaded kernels, the threads). Per element of
     a block: one block of every input file mapped (the block being computed; a finished one is handed back)
@@ -93,7 +93,7 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     torch path.
     """
     from ..kernels import hist_shape
-    from .fast import compute_threads, fast_block, reads_tau, row_step
+    from ..stream.fast import compute_threads, fast_block, reads_tau, row_step
 
     n = len(match.agents) if n_agents is None else n_agents
     b = fast_block(match, block_size)

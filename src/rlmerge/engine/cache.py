@@ -34,7 +34,7 @@ from ..io.partial import input_identity
 from ..methods import MethodSpec
 from ..methods.gta import GtaObserver
 from ..stats import Statistics, TensorStats
-from .match import Job, Match
+from ..stream.match import Job, Match
 
 _FIELDS = ("kofn", "sumsq", "dots", "overlap", "sign_agree")  # the TensorStats arrays a merge's counts fill
 

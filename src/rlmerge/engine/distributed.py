@@ -33,8 +33,8 @@ from ..io.shardfiles import ShardFiles
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards
 from ..methods.gta import GtaObserver
 from ..stats import Statistics, TensorStats
+from ..stream.blocks import DEFAULT_BLOCK
 from .backends import Run, closing, make_backends
-from .blocks import DEFAULT_BLOCK
 from .build import Context, Scored, Scorer, build_and_score, warm
 from .cache import StatsCache
 from .candidates import Candidate

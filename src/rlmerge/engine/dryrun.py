@@ -15,9 +15,9 @@ from typing import Any
 from ..errors import RLMergeError
 from ..io.tokenizer_plan import TokenizerPlan
 from ..io.writer import DEFAULT_SHARD_SIZE, layout_shards
-from .blocks import DEFAULT_BLOCK
+from ..stream.blocks import DEFAULT_BLOCK
+from ..stream.match import Match
 from .budget import MemoryEstimate
-from .match import Match
 from .preflight import preflight
 
 

@@ -17,8 +17,8 @@ from ..methods._l1 import CHUNK, l1_factors
 from ..methods._ops import chunk_seed, row_length
 from ..methods.gta import combine_constants, magprune_epsilon, per_agent
 from ..stats import TensorStats
-from .fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
-from .match import Job
+from ..stream.fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
+from ..stream.match import Job
 
 if TYPE_CHECKING:
     from .backends import Run

@@ -17,8 +17,8 @@ from ..io.writer import CheckpointWriter
 from ..methods._select import BINS, NO_CUT, ROUNDS, TieCut
 from ..methods.gta import GtaObserver, combine_constants
 from ..stats import TensorStats
-from .fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
-from .match import Job
+from ..stream.fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
+from ..stream.match import Job
 
 if TYPE_CHECKING:
     from .backends import Run

@@ -27,8 +27,8 @@ from ..io.dtypes import F32
 from ..io.open import checked_model_folder
 from ..io.partial import PartialDir, check_output
 from ..io.writer import CheckpointWriter
-from .blocks import tensor_bytes
-from .match import Job
+from ..stream.blocks import tensor_bytes
+from ..stream.match import Job
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdow
 from ..report.card import adapter_lines, model_card
 from ..report.provenance import provenance
 from ..stats import Statistics
+from ..stream.blocks import DEFAULT_BLOCK, device_type, spans
+from ..stream.match import Match
 from . import survival
 from .adapter import AdapterOptions, AdapterWriter, adapter_writer
 from .backends import Run, closing, make_backends
-from .blocks import DEFAULT_BLOCK, device_type, spans
-from .match import Match
 from .passes import merge_pass, statistics_pass
 from .preflight import preflight
 from .progress import Progress

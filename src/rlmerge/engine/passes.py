@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..io.writer import CheckpointWriter
+from ..stream.blocks import spans
 from .backends import Backend, Run, TorchBackend
-from .blocks import spans
 from .progress import Progress
 from .route import Route
 

@@ -26,12 +26,12 @@ from ..io.writer import parse_size
 from ..methods import MethodSpec, get_method, validate
 from ..methods.spec import Parsed
 from ..schedule import layer_positions
+from ..stream.blocks import DEFAULT_BLOCK, device_type
+from ..stream.fast import compute_threads
+from ..stream.match import BASE_ITSELF, Match, match_models
 from . import budget
 from .adapter import widen_to_f32
-from .blocks import DEFAULT_BLOCK, device_type
 from .budget import MemoryEstimate, check_memory, estimate_memory
-from .fast import compute_threads
-from .match import BASE_ITSELF, Match, match_models
 from .route import Route, route
 
 OUT_DTYPES = (BF16, F16, F32)  # what --dtype may ask for

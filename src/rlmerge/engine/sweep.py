@@ -32,7 +32,7 @@ from ..errors import ConfigError, InputError, OutputError, RLMergeError, raise_a
 from ..io.hub import push, push_problems
 from ..io.sweepdir import SweepDir
 from ..report.sweep import pareto, render_report
-from .blocks import DEFAULT_BLOCK, device_type
+from ..stream.blocks import DEFAULT_BLOCK, device_type
 from .build import Built, Context, Memory, Scored, Scorer, build_and_score
 from .cache import StatsCache, inputs_key
 from .candidates import Candidate, check, parse_all

@@ -22,9 +22,9 @@ its transpose; a square W is then refused rather than guessed. The shapes must a
 
 Blocks are computed in float32 from rows of B (columns of A when transposed) in tiles of a fixed number of rows,
 so an element's value never depends on the block size; memory is the block plus one tile plus the smaller
-factor. The engine gets τ itself (``read_delta_f32``, through engine/blocks.read_delta), never base + τ rounded
+factor. The engine gets τ itself (``read_delta_f32``, through stream/blocks.read_delta), never base + τ rounded
 to a storage dtype: the torch path, and the numba path, whose kernels then take every agent as τ
-(engine/fast.reads_tau).
+(stream/fast.reads_tau).
 
 Refused with what to do: DoRA, ``lora_alpha: 0`` (a placeholder some converters write), initialisations that
 rewrite the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA), LoRA on an lm_head the base ties to its
@@ -84,7 +84,7 @@ class LoraModule:
 class LoraAdapter(Checkpoint):
     """A PEFT LoRA adapter folder; ``bind(base)`` gives it the base's tensors (τ = 0 where not adapted)."""
 
-    stored_bytes = False  # τ = s·B@A is computed (read_delta_f32), never stored: engine/blocks.read_delta
+    stored_bytes = False  # τ = s·B@A is computed (read_delta_f32), never stored: stream/blocks.read_delta
 
     def _index(self) -> None:
         self.format = "lora"

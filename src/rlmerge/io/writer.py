@@ -29,7 +29,7 @@ from .partial import PartialDir, disk_error
 
 
 class Job(Protocol):
-    """What the writer needs of a tensor to write (engine.match.Job has it): its name, shape, stored dtype, bytes."""
+    """What the writer needs of a tensor to write (stream.match.Job has it): its name, shape, stored dtype, bytes."""
 
     @property
     def name(self) -> str: ...

@@ -36,7 +36,7 @@ def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo:
     already did). ``exact``: gram from float64 products, for a method that merges with it (model_stock); else
     float32 sums over tiles. ``kept`` [N, 2] int64 (with ``rescaled`` [N] bool; both None without a statistics
     pass's hist): what the written output kept of a rescale of unique elements (engine/survival.py). ``tau``: each
-    agent's array holds its τ in float32 instead (engine/fast.py, when an agent is a LoRA adapter). Compiled on
+    agent's array holds its τ in float32 instead (stream/fast.py, when an agent is a LoRA adapter). Compiled on
     first use for each (program, N, dtypes, tau), cached on disk.
     """
     from .fused import fused_range as kernel

@@ -45,7 +45,7 @@ def _tau(a, k, b, tau):  # type: ignore[no-untyped-def]  # τ of element k (see 
 @overload(_tau, inline="always")
 def _tau_ov(a, k, b, tau):  # type: ignore[no-untyped-def]
     """τ of element k of agent array ``a``: its stored value decoded minus the base's ``b`` (float32), or with
-    ``tau`` not None a[k] itself (the agents come as their float32 τ: engine/fast.reads_tau). Decided from the
+    ``tau`` not None a[k] itself (the agents come as their float32 τ: stream/fast.reads_tau). Decided from the
     type of ``tau`` when the kernel compiles: no branch in the loop."""
     if isinstance(tau, types.NoneType):
         return lambda a, k, b, tau: _dec(a[k]) - b

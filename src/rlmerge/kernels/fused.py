@@ -31,7 +31,7 @@ class ProgramKey:
     program's compiled specialisation from the argument types alone. (``numba.literally`` on an int did the
     same, but sent every call through the dispatcher's compile path: 3.3 ms per call, measured, which made a
     0.5B merge 2.4× slower.) ``tau``: the agents come as their float32 τ, not as stored values (a LoRA
-    adapter supplies τ; engine/fast.py then gives every agent's)."""
+    adapter supplies τ; stream/fast.py then gives every agent's)."""
 
     __slots__ = ("key", "tau")
 

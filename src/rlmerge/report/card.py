@@ -20,9 +20,9 @@ from .provenance import COLUMN, PERCENT, agent_rows
 if TYPE_CHECKING:
     from huggingface_hub import ModelCardData
 
-    from ..engine.match import Match
     from ..engine.merge import MergeResult
     from ..engine.reproduce import Reproduce
+    from ..stream.match import Match
 
 HUB = "https://huggingface.co/"
 

@@ -20,7 +20,7 @@ from ..stats import MAG_SHIFT, Magnitudes, Statistics, bin_lower_edge, hist_quan
 from .advice import recommend
 
 if TYPE_CHECKING:
-    from ..engine.match import Match
+    from ..stream.match import Match
 
 SCHEMA = "rlmerge.report"
 VERSION = 1

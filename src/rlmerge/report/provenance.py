@@ -15,8 +15,8 @@ from ..io.checkpoint import Checkpoint
 from .data import num
 
 if TYPE_CHECKING:
-    from ..engine.match import Match
     from ..engine.merge import MergeResult
+    from ..stream.match import Match
 
 
 COLUMN = {"rho": "ρ", "lambda": "λ", "lambda_kept": "λ kept"}  # the agent table's headers, where not the key

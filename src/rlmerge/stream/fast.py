@@ -21,11 +21,9 @@ from ..errors import ConfigError
 from ..io.dtypes import BF16, F32
 from ..io.mapping import DONTNEED, WILLNEED, Mapped
 from ..io.writer import CheckpointWriter
-from ..methods import MethodSpec
 from ..methods._ops import row_length
 from ..methods.rule import Program
 from ..stats import Statistics, TensorStats, check_finite
-from . import survival
 from .blocks import device_type, read_delta
 from .match import Job, Match
 
@@ -61,17 +59,7 @@ class RuleArgs:
     consts: np.ndarray  # [C] float32
     agent_consts: np.ndarray  # [A, N] float32
     eps: np.float32
-    rescaled: np.ndarray | None = None  # [N] bool: agents whose unique elements the rule rescales (survival.py)
-
-
-def rule_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None, n: int, eps: float,
-              name: str) -> RuleArgs:
-    """The fused kernel's arguments for tensor ``name`` of an elementwise method."""
-    prog = spec.program(p, n)
-    assert prog is not None  # the route sends only methods with a rule here
-    values = spec.values(p, prepared, ts, n, name)
-    consts, agent_consts = prog.arrays(values)
-    return RuleArgs(prog, consts, agent_consts, np.float32(eps), survival.rescaled(spec, values, n))
+    rescaled: np.ndarray | None = None  # [N] bool: agents whose unique elements the rule rescales (engine/survival.py)
 
 
 def stats_args(n_agents: int, eps: float) -> RuleArgs:
@@ -319,19 +307,6 @@ def job_reads(fast: FastPath, blocks: Iterator[Any], job: Job, reads: int, ts: T
             if read == 0 and ts is not None and args is not None:
                 fast.run(job, start, base, agents, args, None, ts)
             yield read, start, stop, slot, base, agents
-
-
-def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: RuleArgs, ts: TensorStats | None,
-                   out: CheckpointWriter, bar: Any) -> None:
-    """All blocks of one eligible job: fused kernel, statistics into ``ts`` when given, queued write; a rescale's
-    survival counted and noted with the tensor (survival.py)."""
-    counts = None if args.rescaled is None else np.zeros((fast.threads, len(args.rescaled), 2), dtype=np.int64)
-    for _, start, stop, slot, base, agents in job_reads(fast, blocks, job, 1):
-        merged = fast.out_view(slot, job, stop - start)
-        fast.run(job, start, base, agents, args, merged, ts, counts)
-        write_slot(out, slot, merged, bar)
-    if counts is not None:
-        out.annotate(job.name, {survival.NOTE: counts.sum(0).tolist()})
 
 
 def write_slot(out: CheckpointWriter, slot: _Slot, merged: np.ndarray, bar: Any) -> None:
