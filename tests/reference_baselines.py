@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from rlmerge.methods._ops import RNG_CHUNK, chunk_seed
+from rlmerge.methods.sparsify.rng import RNG_CHUNK, chunk_seed
 
 
 def kth_largest(x: torch.Tensor, k: int) -> float:

@@ -14,8 +14,8 @@ from conftest import assert_same_tensors, load_output
 from reference import load_models
 from rlmerge.errors import ConfigError, InputError, RLMergeError
 from rlmerge.methods import get_method
-from rlmerge.methods._ops import uniform
 from rlmerge.methods._select import KthLargest
+from rlmerge.methods.sparsify.rng import uniform
 from rlmerge.recipe import parse_recipe
 from rlmerge.report.provenance import agent_rows
 from rlmerge.synthetic import write_checkpoint

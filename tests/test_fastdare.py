@@ -1,6 +1,6 @@
 """DARE on the fast path (fastdare.py, _numba_dare.py, _numba_mt.py) writes the torch path's bytes: the same
 random numbers (torch's mt19937 and float conversion, replayed in numba), the same keep test, rescale and
-merge rule, the L1 sums in methods/_l1.py's fixed order, whatever the block size and thread count; its
+merge rule, the L1 sums in methods/sparsify/l1.py's fixed order, whatever the block size and thread count; its
 statistics are the same counts, and a non-finite τ is named as on the torch path."""
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from safetensors.torch import load_file, save_file
 import rlmerge
 from conftest import interrupt_after
 from rlmerge import kernels
-from rlmerge.engine import fast_random as fastdare
-from rlmerge.methods import _l1, _ops
-from rlmerge.methods._ops import chunk_seed, uniform
-from rlmerge.methods.gta import Combine
+from rlmerge.methods.sparsify import fast_random as fastdare
+from rlmerge.methods.sparsify import kernels as family_kernels
+from rlmerge.methods.sparsify import l1 as _l1
+from rlmerge.methods.sparsify import rng as _ops
+from rlmerge.methods.sparsify.presets import Combine
+from rlmerge.methods.sparsify.rng import chunk_seed, uniform
 from rlmerge.synthetic import Shape, make_example
 from test_fastpath import _edge_models, _same_bytes, same_counts
 from test_interrupt_resume import _files, _shards_done
@@ -48,7 +50,7 @@ def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.M
     """The torch path (RLMERGE_FAST=0), then the fast path with ``threads`` compute threads (default: one per
     CPU); its kernel calls."""
     calls = []
-    real = kernels.dare_merge_range
+    real = family_kernels.dare_merge_range
 
     def spy(*args: object) -> bool:
         calls.append(1)
@@ -60,7 +62,7 @@ def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.M
     monkeypatch.setenv("RLMERGE_FAST", "1")
     if threads is not None:
         monkeypatch.setenv("RLMERGE_THREADS", str(threads))  # fastpath.compute_threads
-    monkeypatch.setattr(kernels, "dare_merge_range", spy)
+    monkeypatch.setattr(family_kernels, "dare_merge_range", spy)
     fast = rlmerge.merge(base, agents, tmp / "fast", method=method, params=params, dtype=dtype, seed=seed, **kw)
     return slow, fast, len(calls)
 
@@ -77,7 +79,7 @@ def assert_fast_is_torch(base: Path, agents: list[Path], tmp: Path, monkeypatch:
 
 # -- the random numbers ------------------------------------------------------------------------------------
 def _mt_uniform(seed: int, n: int, skip: int = 0) -> np.ndarray:
-    from rlmerge.kernels import mt as mt
+    from rlmerge.methods.sparsify.kernels import mt as mt
 
     state = np.empty(mt.STATE, dtype=np.uint32)
     idx = mt.skip(state, mt.seed(state, np.uint32(seed & 0xFFFFFFFF)), skip)
@@ -107,7 +109,7 @@ def test_mt19937_replays_torch_rand() -> None:
 @pytest.mark.parametrize("block", [777, 4096, CHUNK, 100_000, 1 << 22])
 def test_keep_mask_is_the_torch_paths(block: int, rescale: str) -> None:
     """The kernel's keep test (u < density) and rescale per element: the streams of each (agent, chunk),
-    entered at any block start and thread cut, equal _ops.uniform. One density is exactly a drawn u, which is
+    entered at any block start and thread cut, equal rng.uniform. One density is exactly a drawn u, which is
     dropped (a '<' turned '<=' keeps it)."""
     name, numel, seed = "model.layers.0.mlp.up_proj.weight", 3 * CHUNK + 1234, 11
     u0 = uniform(seed, 0, name, numel, 0, numel)
@@ -128,9 +130,9 @@ def test_keep_mask_is_the_torch_paths(block: int, rescale: str) -> None:
         base, agents = np.zeros(n, np.float32), np.ascontiguousarray(np.repeat(tau[:, None], n, 1))
         out = np.empty(n, np.float32)
         for lo, hi in fastdare.pieces(start, n, 3):
-            kernels.dare_merge_range(base, agents, lo, hi, start, 0, seeds, dens, dens, fastdare.RESCALE[rescale],
-                                     factor, np.ones(2, np.float32), *plain_sum(2), out, np.empty((2, 0), np.uint8),
-                                     None)
+            family_kernels.dare_merge_range(base, agents, lo, hi, start, 0, seeds, dens, dens,
+                                            fastdare.RESCALE[rescale], factor, np.ones(2, np.float32), *plain_sum(2),
+                                            out, np.empty((2, 0), np.uint8), None)
         got[start:start + n] = out
     np.testing.assert_array_equal(got, want)
 
@@ -147,7 +149,7 @@ def test_pieces_cut_only_at_chunk_boundaries() -> None:
 
 # -- the L1 sums -------------------------------------------------------------------------------------------
 def _reference_sum(v: np.ndarray) -> float:
-    """methods/_l1.py's order, spelled out: per chunk 8 sequential lanes, a fixed tree, chunks in order."""
+    """methods/sparsify/l1.py's order, spelled out: per chunk 8 sequential lanes, a fixed tree, chunks in order."""
     total = 0.0
     for c0 in range(0, len(v), _l1.CHUNK):
         lanes = [0.0] * 8
@@ -161,7 +163,7 @@ def test_l1_sums_follow_the_documented_order(monkeypatch: pytest.MonkeyPatch) ->
     """LaneSum (torch path, whole chunks GROUP at a time) and the L1 kernel + fold (fast path) give the
     reference order's float64 sums, for any block size; magnitudes spread over 40 decades make every other
     order give other bits."""
-    from rlmerge.kernels.dare import fold, l1_range
+    from rlmerge.methods.sparsify.kernels.dare import fold, l1_range
 
     assert _l1.CHUNK == _ops.RNG_CHUNK == CHUNK
     rng = np.random.default_rng(0)
@@ -273,7 +275,7 @@ def test_missing_tensor_takes_the_torch_path(example, tmp_path: Path, monkeypatc
     del sd["model.layers.1.mlp.down_proj.weight"]
     save_file(sd, str(agents[1] / "model.safetensors"))
     calls = []
-    monkeypatch.setattr(kernels, "dare_merge_range", lambda *a: calls.append(1))
+    monkeypatch.setattr(family_kernels, "dare_merge_range", lambda *a: calls.append(1))
     for flag in ("0", "1"):
         monkeypatch.setenv("RLMERGE_FAST", flag)
         rlmerge.merge(base, agents, tmp_path / flag, method=method, params={"rescale": "l1"}, allow_missing=True)
@@ -298,8 +300,8 @@ def test_resume_is_byte_identical(example, tmp_path: Path, monkeypatch: pytest.M
         with pytest.raises(KeyboardInterrupt):
             rlmerge.merge(base, agents, out, **kw, block_size=300)
     assert _shards_done(out) == 2
-    calls, real = [], kernels.dare_merge_range
-    monkeypatch.setattr(kernels, "dare_merge_range", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], family_kernels.dare_merge_range
+    monkeypatch.setattr(family_kernels, "dare_merge_range", lambda *a: calls.append(1) or real(*a))
     rlmerge.merge(base, agents, out, **kw, block_size=1000, resume=True)
     assert calls
     ours, ref = _files(out), _files(tmp_path / "ref")

@@ -18,8 +18,9 @@ from safetensors.torch import save_file
 import rlmerge
 from conftest import TINY
 from rlmerge import kernels
-from rlmerge.engine import fast_random as fastdare
-from rlmerge.methods._ops import RNG_CHUNK, chunk_seed, row_ranks, uniform
+from rlmerge.methods.sparsify import fast_random as fastdare
+from rlmerge.methods.sparsify import kernels as family_kernels
+from rlmerge.methods.sparsify.rng import RNG_CHUNK, chunk_seed, row_ranks, uniform
 from rlmerge.stream import fast as fastpath
 from rlmerge.synthetic import config, make_example
 from test_fastdare import WIDE, assert_fast_is_torch, plain_sum
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not instal
 # -- the ranks and the keep probability ----------------------------------------------------------------------
 def _ranks(stored: torch.Tensor, base: torch.Tensor, row: int) -> np.ndarray:
     """kernels/della.rank_row over every row: integer ranks [n]."""
-    from rlmerge.kernels.della import rank_row, scratch
+    from rlmerge.methods.sparsify.kernels.della import rank_row, scratch
 
     def raw(t: torch.Tensor) -> np.ndarray:
         return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
@@ -72,7 +73,7 @@ def _rows(rng: np.random.Generator, row: int, nrows: int) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("row", [1, 2, 7, 64, 896, 4099])
 def test_rank_row_is_row_ranks(dtype: torch.dtype, row: int) -> None:
-    """Integer ranks equal to a stable sort's (ties by position), and the normalised ranks to _ops.row_ranks'."""
+    """Integer ranks equal to a stable sort's (ties by position), and the normalised ranks to rng.row_ranks'."""
     rng = np.random.default_rng(row)
     nrows = 14 if row > 1 else 300
     base = torch.from_numpy(rng.normal(0, 0.02, row * nrows).astype(np.float32)).to(dtype)
@@ -89,7 +90,7 @@ def test_rank_row_is_row_ranks(dtype: torch.dtype, row: int) -> None:
 
 def test_radix_fallback_sorts_stably() -> None:
     """The fallback of rank_row: a stable LSD radix sort of uint32 keys (many equal ones) with their positions."""
-    from rlmerge.kernels.della import _radix
+    from rlmerge.methods.sparsify.kernels.della import _radix
 
     rng = np.random.default_rng(1)
     for n in (1, 2, 300, 5000):
@@ -104,7 +105,7 @@ def test_radix_fallback_sorts_stably() -> None:
 @pytest.mark.parametrize("row", [1, 2, 3, 896, 4864, 1 << 20])
 def test_probs_round_as_prune_block(row: int) -> None:
     """(density − ε) + (rank / (row − 1)) · 2ε in float32, in torch's order, for per-agent density and ε."""
-    from rlmerge.kernels.della import probs
+    from rlmerge.methods.sparsify.kernels.della import probs
 
     dens = torch.tensor([[0.7], [0.31], [0.55]], dtype=torch.float32)
     eps = torch.tensor([[0.15], [0.3], [0.0123]], dtype=torch.float32)
@@ -136,7 +137,7 @@ def test_keep_is_u_strictly_below_p() -> None:
     assert plo[0] + q * p2e[0] == np.float32(u)
     seeds = np.array([[chunk_seed(seed, 0, name, 0) & 0xFFFFFFFF]], dtype=np.uint32)
     out = np.empty(numel, np.float32)
-    kernels.dare_merge_range(np.zeros(numel, np.float32), (tau[0],), 0, numel, 0, row, seeds, plo, p2e,
+    family_kernels.dare_merge_range(np.zeros(numel, np.float32), (tau[0],), 0, numel, 0, row, seeds, plo, p2e,
                              fastdare.RESCALE["none"], np.ones(1, np.float32), np.ones(1, np.float32), *plain_sum(1),
                              out, np.empty((1, 0), np.uint8), None)
     assert out[target] == 0.0 and tau[0, target] != 0.0
@@ -195,13 +196,14 @@ def test_l1_keep_bits_kept_or_drawn_again(example, tmp_path: Path, monkeypatch: 
                                           cap: int | None) -> None:
     """``l1``: the merge reuses the keep bits its L1 sums stored (MASK_BYTES), or draws and ranks again for a
     tensor above the cap; both give the torch path's bytes, for tensors in one block and over several."""
-    masks, real = [], kernels.dare_merge_range
+    masks, real = [], family_kernels.dare_merge_range
     if cap is not None:
         monkeypatch.setattr(fastdare, "MASK_BYTES", cap)
     for method in ("della", "dare_ties"):
         for block in (1000, None):
             where = tmp_path / f"{method}{block}"
-            monkeypatch.setattr(kernels, "dare_merge_range", lambda *a: masks.append(a[-2].shape[1] > 0) or real(*a))
+            monkeypatch.setattr(family_kernels, "dare_merge_range",
+                                lambda *a: masks.append(a[-2].shape[1] > 0) or real(*a))
             assert_fast_is_torch(*example, where, monkeypatch, method, {"rescale": "l1"}, block=block, threads=2)
     assert (any(masks), all(masks)) == {None: (True, True), 1000: (True, False), 0: (False, False)}[cap]
 
@@ -283,6 +285,6 @@ def test_fast_della_merges_without_importing_torch(example, tmp_path: Path, args
 
 
 def test_chunk_constant_is_shared() -> None:
-    from rlmerge.kernels import dare as _numba_dare
+    from rlmerge.methods.sparsify.kernels import dare as _numba_dare
 
     assert _numba_dare.CHUNK == RNG_CHUNK

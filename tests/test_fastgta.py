@@ -16,6 +16,7 @@ from conftest import TINY
 from rlmerge import kernels
 from rlmerge.errors import InputError
 from rlmerge.methods._select import BINS, KthLargest
+from rlmerge.methods.sparsify import kernels as family_kernels
 from rlmerge.synthetic import make_example
 from test_fastpath import _edge_models, _same_bytes, same_counts
 
@@ -38,7 +39,7 @@ def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.M
                 params: dict, dtype: str | None, block: int | None) -> tuple[rlmerge.MergeResult, rlmerge.MergeResult,
                                                                             int]:
     calls = []
-    real = kernels.gta_merge_range
+    real = family_kernels.select_merge_range
 
     def spy(*args: object) -> None:
         calls.append(1)
@@ -48,7 +49,7 @@ def _merge_both(base: Path, agents: list[Path], tmp: Path, monkeypatch: pytest.M
     monkeypatch.setenv("RLMERGE_FAST", "0")
     slow = rlmerge.merge(base, agents, tmp / "torch", method=method, params=params, dtype=dtype, **kw)
     monkeypatch.setenv("RLMERGE_FAST", "1")
-    monkeypatch.setattr(kernels, "gta_merge_range", spy)
+    monkeypatch.setattr(family_kernels, "select_merge_range", spy)
     fast = rlmerge.merge(base, agents, tmp / "fast", method=method, params=params, dtype=dtype, **kw)
     return slow, fast, len(calls)
 
@@ -141,11 +142,11 @@ def test_histogram_counts_equal_fed_values(form: str) -> None:
         fed.feed(tau)
         if counted.round == 0:
             hist = np.zeros((2, kernels.SUBHISTS, BINS[0] + 1), dtype=np.int64)
-            kernels.gta_hist_first(b16, a16, 0, 5000, hist, flag)
+            family_kernels.hist_first(b16, a16, 0, 5000, hist, flag)
             counted.add_counts(hist.sum(1))
         else:
             hist = np.zeros((4, BINS[counted.round] + 8), dtype=np.int64)
-            kernels.gta_hist_next(b16, a16, 0, 5000, counted.streams, counted.prefix, counted.active,
+            family_kernels.hist_next(b16, a16, 0, 5000, counted.streams, counted.prefix, counted.active,
                                   *counted.digit, hist, flag)
             counted.add_counts(hist[:, :BINS[counted.round]])
         for sel in (fed, counted):

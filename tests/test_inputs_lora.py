@@ -153,7 +153,7 @@ def test_ties_exact_k_on_adapter_tau_writes_the_torch_paths_bytes(lora, tmp_path
     τ = s·B·A on a coarse grid: many |τ| equal the threshold."""
     from safetensors.torch import load_file, save_file
 
-    from rlmerge.engine import fast_select
+    from rlmerge.methods.sparsify import fast_select
 
     base, adapters, _ = lora
     coarse = tmp_path / "coarse"

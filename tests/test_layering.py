@@ -12,16 +12,21 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-# Left to right, the way the data flows: what a layer may import is itself and the layers to its left.
+# Left to right, the way the data flows: what a layer may import is itself and the layers to its left. A name is a
+# module and everything below it (the longest name that matches decides); "=NAME" is that module alone (a package's
+# __init__, e.g. rlmerge.methods: the registry's public face, above the families its folder holds).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("rlmerge._version", "rlmerge._torch", "rlmerge._threads", "rlmerge.errors", "rlmerge.params",
                     "rlmerge.schedule")),
     ("recipe", ("rlmerge.recipe", "rlmerge.mergekit_names")),
     ("io", ("rlmerge.io",)),
     ("statistics", ("rlmerge.stats",)),
-    ("methods", ("rlmerge.methods",)),
+    ("rule", ("rlmerge.methods.rule",)),
     ("kernels", ("rlmerge.kernels",)),
     ("stream", ("rlmerge.stream",)),
+    ("method interface", ("rlmerge.methods.spec", "rlmerge.methods._select")),
+    ("families", ("rlmerge.methods",)),
+    ("registry", ("=rlmerge.methods", "rlmerge.methods.registry")),
     ("report", ("rlmerge.report",)),
     ("engine", ("rlmerge.engine",)),
     ("tools", ("rlmerge.synthetic", "rlmerge.sandbox")),
@@ -31,10 +36,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 def layer_of(module: str) -> int:
     best, rank = -1, -1
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, rank = len(p), i
+    for i, (_, names) in enumerate(LAYERS):
+        for name in names:
+            exact = name.startswith("=")
+            p = name.lstrip("=")
+            if (module == p or (not exact and module.startswith(p + "."))) and len(name) > best:
+                best, rank = len(name), i
     assert rank >= 0, f"{module} is in no layer: add it to LAYERS (and to docs/architecture.md)"
     return rank
 

@@ -13,6 +13,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import numpy as np
+
 from .errors import ConfigError, RLMergeError, raise_all
 
 
@@ -95,3 +97,41 @@ def check_range(where: str, name: str, value: float, lo: float, hi: float, *,
     if bad:
         lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
         raise ConfigError(f"{where}: {name} = {value} is out of range {lb}{lo}, {hi}{rb}")
+
+
+# -- parameters given per agent (weights, densities): one value for every agent, or one per agent -------------
+Weights = float | tuple[float, ...] | None  # one value for every agent, or one per agent; None: all 1
+PerAgent = float | tuple[float, ...]
+
+
+def each(value: PerAgent | None) -> tuple[float, ...]:
+    """The values of a per-agent parameter as given (one value stands for every agent; None: none)."""
+    return () if value is None else value if isinstance(value, tuple) else (value,)
+
+
+def check_each(where: str, name: str, value: PerAgent | None, lo: float, hi: float, **ends: bool) -> None:
+    """``params.check_range`` on each value of a per-agent parameter."""
+    for v in each(value):
+        check_range(where, name, v, lo, hi, **ends)
+
+
+def per_agent(value: PerAgent, n: int, where: str, name: str) -> tuple[float, ...]:
+    """One value per agent: a tuple of N as given, or one value N times."""
+    if isinstance(value, tuple):
+        if len(value) != n:
+            what = "weight(s)" if name == "weight" else f"value(s) of {name}"
+            raise ConfigError(f"{where}: {len(value)} {what} given for {n} agent(s)",
+                              hint="give one value, or one per agent in the order the agents are listed")
+        return value
+    return (float(value),) * n
+
+
+def agent_weights(where: str, weights: Weights, n: int) -> np.ndarray:
+    """[N] float32 weights; all 1 when not given, all w when one value w is given."""
+    return np.array(per_agent(1.0 if weights is None else weights, n, where, "weight"), dtype=np.float32)
+
+
+def weight_sum(w: np.ndarray) -> np.float32:
+    """Σ w_t accumulated in float64 and rounded once to float32: the same on every machine and both paths
+    (torch's own float32 sum adds in an order that depends on the length and the CPU's vector width)."""
+    return np.float32(np.sum(np.asarray(w, dtype=np.float32), dtype=np.float64))

@@ -25,13 +25,13 @@ from .._torch import torch
 from ..io.checkpoint import Checkpoint
 from ..io.writer import CheckpointWriter
 from ..methods import BlockContext, MethodSpec
+from ..methods.sparsify.fast_random import RandomBackend
+from ..methods.sparsify.fast_select import SelectBackend
 from ..stats import Statistics, TensorStats, check_finite
 from ..stream.blocks import Block, BlockReader, tensor_bytes
 from ..stream.fast import FastPath, RuleArgs, job_reads, statistics_pass_fast, write_slot
 from ..stream.match import Job, Match
 from . import survival
-from .fast_random import RandomBackend
-from .fast_select import SelectBackend
 from .route import Route
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from ..io.checkpoint import Checkpoint
 from ..io.partial import input_identity
 from ..methods import MethodSpec
-from ..methods.gta import GtaObserver
+from ..methods.sparsify.observer import GtaObserver
 from ..stats import Statistics, TensorStats
 from ..stream.match import Job, Match
 

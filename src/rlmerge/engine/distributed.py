@@ -31,7 +31,7 @@ from ..errors import ConfigError, InputError, OutputError, RLMergeError, raise_a
 from ..io.partial import PartialDir, input_identity
 from ..io.shardfiles import ShardFiles
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards
-from ..methods.gta import GtaObserver
+from ..methods.sparsify.observer import GtaObserver
 from ..stats import Statistics, TensorStats
 from ..stream.blocks import DEFAULT_BLOCK
 from .backends import Run, closing, make_backends

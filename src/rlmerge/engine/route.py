@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..io.checkpoint import Checkpoint
 from ..methods import MethodSpec
-from ..methods.gta import GtaObserver
+from ..methods.sparsify.fast_random import MASK_BYTES, random_reads
+from ..methods.sparsify.fast_select import select_reads
+from ..methods.sparsify.observer import GtaObserver
 from ..stream.fast import eligible, enabled, fast_block, row_step
 from ..stream.match import Job, Match
 from .budget import MemoryEstimate, estimate_fast, estimate_memory
-from .fast_random import MASK_BYTES, random_reads
-from .fast_select import select_reads
 
 if TYPE_CHECKING:
     from .cache import CacheView

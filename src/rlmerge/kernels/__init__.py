@@ -1,7 +1,9 @@
-"""numba kernels: the engine's one door to them (numba is imported only when a kernel runs).
+"""The rule generator's numba kernels: the one door to them (numba is imported only when a kernel runs).
 
-``fused_range`` runs a method's traced rule (methods/rule.py) compiled into a fused loop (fused.py); the selection
-and DARE entry points (``_ENTRIES``) run the sparsify family's kernels. docs/architecture.md has the design.
+``fused_range`` runs a method's traced rule (methods/rule.py) compiled into a fused loop (fused.py); ``rule_key``
+selects a program's loop for a kernel that calls ``fused.rule_tile`` (a family's own kernels end that way). No
+method is named here: a family with kernels of its own keeps them in its folder (methods/sparsify/kernels/).
+docs/architecture.md has the design.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from .layout import (  # noqa: F401  re-exported: the engine's one door to the kernels
-    GTA_NONFINITE_BIN,
     MAX_AGENTS,
     SUBHISTS,
     TILE,
@@ -54,19 +55,3 @@ def rule_key(program: Program | None, tau: bool = False) -> Any:
         return ProgramKey(STATS_ONLY, tau)
     PROGRAMS.setdefault(program.key, program)
     return ProgramKey(program.key, tau)
-
-
-# The sparsify family's entry points, as the engine calls them: (module, function), imported on first use.
-_ENTRIES = {"gta_hist_first": ("select", "hist_first"), "gta_hist_next": ("select", "hist_next"),
-            "gta_merge_range": ("select", "merge_range"), "dare_merge_range": ("dare", "merge_range"),
-            "dare_l1_range": ("dare", "l1_range"), "dare_fold": ("dare", "fold")}
-
-
-def __getattr__(name: str) -> Any:
-    """A kernel of ``_ENTRIES`` (select.py: TIES' radix-select rounds and merge; dare.py: DARE / DELLA's merge, L1
-    lanes and their fold), compiled on first use; it then stays a module attribute."""
-    if name not in _ENTRIES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _ENTRIES[name]
-    fn = globals()[name] = getattr(importlib.import_module(f".{module}", __name__), attr)
-    return fn

@@ -5,7 +5,6 @@ from __future__ import annotations
 MAX_AGENTS = 8  # 4^N histogram bins per thread: 65536 at N = 8
 TILE = 1024  # elements per tile: the scratch of one tile stays in L1/L2
 SUBHISTS = 8  # sub-histograms per thread for the pattern codes (1 when 4^N bins would not stay in cache)
-GTA_NONFINITE_BIN = 0x7F800000 >> 20  # round-0 bins of |τ| patterns at or above inf (exponent all ones)
 
 
 def hist_shape(n_agents: int) -> tuple[int, int]:

@@ -1,30 +1,25 @@
-"""Merge methods: a registry of named declarations, built from explicit imports (no registration by side effect).
+"""Merge methods: the public method interface (``spec.py``) and the registry of named methods (``registry.py``).
 
-``spec.MethodSpec`` says what a method is; each module here declares one family of methods.
+Each family is a module (or a folder, with its own kernels and backend) here that lists its declarations in
+``METHODS``. The names below are resolved on first use (PEP 562): importing ``rlmerge.methods.rule`` or
+``.spec``, as the layers below the families do, does not import every family.
 """
 
 from __future__ import annotations
 
-from ..errors import ConfigError
-from . import arm_ties, fisher, gta, model_stock, ram, slerp, task_arithmetic
-from .spec import BlockContext, MethodSpec, Scope, validate
+import importlib
+from typing import Any
+
+# name → the module that defines it
+_PUBLIC = {"REGISTRY": "registry", "ALIASES": "registry", "get_method": "registry",
+           "MethodSpec": "spec", "BlockContext": "spec", "Scope": "spec", "validate": "spec"}
 
 
-def _registry() -> dict[str, MethodSpec]:
-    specs = [*ram.METHODS, *arm_ties.METHODS, *task_arithmetic.METHODS, *gta.METHODS, *slerp.METHODS,
-             *model_stock.METHODS, *fisher.METHODS]
-    return {s.name: s for s in specs}
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+    return value
 
 
-REGISTRY: dict[str, MethodSpec] = _registry()
-ALIASES = {"ramplus": "ram+", "ram_plus": "ram+", "ta": "task_arithmetic", "dare_linear": "dare_ta"}
-
-
-def get_method(name: str) -> MethodSpec:
-    key = ALIASES.get(name, name)
-    if key not in REGISTRY:
-        raise ConfigError(f"unknown method {name!r}", hint=f"choose one of: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[key]
-
-
-__all__ = ["ALIASES", "REGISTRY", "BlockContext", "MethodSpec", "Scope", "get_method", "validate"]
+__all__ = sorted(_PUBLIC)

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 from .._torch import torch
 from ..errors import ConfigError
-from ..params import check_range
+from ..params import Weights, agent_weights, check_each, check_range
 from ..stats import Statistics
 from .spec import BlockContext, MethodSpec
-from .task_arithmetic import Weights, agent_weights, check_each
 
 
 @dataclass(frozen=True)

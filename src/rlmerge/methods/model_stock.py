@@ -20,7 +20,7 @@ import numpy as np
 from .._torch import torch
 from ..errors import ConfigError
 from ..stats import TensorStats
-from ._ops import row_length
+from ..stream.blocks import row_length
 from .rule import Expr, Terms
 from .spec import BlockContext, MethodSpec
 

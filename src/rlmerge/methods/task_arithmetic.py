@@ -13,40 +13,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..params import check_range
-from ._ops import weight_sum
+from ..params import Weights, agent_weights, check_each, check_range, weight_sum
 from .rule import Expr, Terms
 from .spec import MethodSpec
-
-Weights = float | tuple[float, ...] | None  # one value for every agent, or one per agent; None: all 1
-PerAgent = float | tuple[float, ...]
-
-
-def each(value: PerAgent | None) -> tuple[float, ...]:
-    """The values of a per-agent parameter as given (one value stands for every agent; None: none)."""
-    return () if value is None else value if isinstance(value, tuple) else (value,)
-
-
-def check_each(where: str, name: str, value: PerAgent | None, lo: float, hi: float, **ends: bool) -> None:
-    """``params.check_range`` on each value of a per-agent parameter."""
-    for v in each(value):
-        check_range(where, name, v, lo, hi, **ends)
-
-
-def per_agent(value: PerAgent, n: int, where: str, name: str) -> tuple[float, ...]:
-    """One value per agent: a tuple of N as given, or one value N times."""
-    if isinstance(value, tuple):
-        if len(value) != n:
-            what = "weight(s)" if name == "weight" else f"value(s) of {name}"
-            raise ConfigError(f"{where}: {len(value)} {what} given for {n} agent(s)",
-                              hint="give one value, or one per agent in the order the agents are listed")
-        return value
-    return (float(value),) * n
-
-
-def agent_weights(where: str, weights: Weights, n: int) -> np.ndarray:
-    """[N] float32 weights; all 1 when not given, all w when one value w is given."""
-    return np.array(per_agent(1.0 if weights is None else weights, n, where, "weight"), dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -74,7 +43,7 @@ class LinearParams:
 
 
 def divisor(where: str, w: np.ndarray) -> np.float32:
-    """Σ w_t for normalising (methods/_ops.weight_sum); refused when it is zero."""
+    """Σ w_t for normalising (params.weight_sum); refused when it is zero."""
     s = weight_sum(w)
     if s == 0.0:
         raise ConfigError(f"{where}: weights sum to zero, cannot normalize", hint="set normalize to false")

@@ -117,8 +117,7 @@ class BlockReader:
     def step(self, job: Job) -> int:
         if not self.rows:
             return self.block_size
-        shape = job.info.shape
-        row = math.prod(shape[1:]) if len(shape) >= 2 else max(job.numel, 1)
+        row = row_length(job.info.shape)
         return max(row, self.block_size // row * row)
 
     def bytes_of(self, job: Job, blk: Block) -> int:
@@ -154,3 +153,8 @@ class BlockReader:
                 base, deltas = base.to(device, non_blocking=True), deltas.to(device, non_blocking=True)
                 extra = None if extra is None else extra.to(device, non_blocking=True)
             yield Block(job, start, stop, base, deltas, extra)
+
+
+def row_length(shape: tuple[int, ...]) -> int:
+    """Elements per row (``shape[1:]``); a 1-D tensor is one row, as mergekit's unsqueeze(0)."""
+    return math.prod(shape[1:]) if len(shape) >= 2 else max(math.prod(shape), 1)

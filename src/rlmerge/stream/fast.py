@@ -1,6 +1,7 @@
 """The numba block stream: blocks viewed in the mapped inputs, split between compute threads, slots for output.
 
-Used by the numba backends (backends.py, fast_select.py, fast_random.py) for the tensors the route gives them;
+Used by the numba backends (engine/backends.py; the sparsify family's methods/sparsify/fast_select.py and
+fast_random.py) for the tensors the route gives them;
 docs/architecture.md ("How the numba path works") has the design.
 """
 from __future__ import annotations
@@ -21,10 +22,9 @@ from ..errors import ConfigError
 from ..io.dtypes import BF16, F32
 from ..io.mapping import DONTNEED, WILLNEED, Mapped
 from ..io.writer import CheckpointWriter
-from ..methods._ops import row_length
 from ..methods.rule import Program
 from ..stats import Statistics, TensorStats, check_finite
-from .blocks import device_type, read_delta
+from .blocks import device_type, read_delta, row_length
 from .match import Job, Match
 
 STORED = {BF16: np.uint16, F32: np.float32}  # dtypes the kernels decode and encode

@@ -1,17 +1,13 @@
-"""Named pure steps the task-vector baselines prune with (PEFT's shape); the sign election and (disjoint) mean
-that follow are a rule (``gta.combine_rule``). Each step takes float32 blocks and returns new tensors; none mutates
-its inputs. TIES, DARE, Breadcrumbs and DELLA are presets that pick a pruning step and whether to elect a sign
-(see ``gta.py``).
+"""The sparsify family's random numbers and ranks: DARE's and DELLA's keep masks are drawn from ``uniform``, seeded per
+(seed, agent, tensor, chunk), so any block size gives the same masks; DELLA's MagPrune ranks |τ| within each row
+(``row_ranks``). Each step takes float32 blocks and returns new tensors; none mutates its inputs.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 
-import numpy as np
-
-from .._torch import torch
+from ..._torch import torch
 
 RNG_CHUNK = 1 << 16  # random numbers are drawn per chunk of 65,536 flat elements, aligned at element 0
 
@@ -41,17 +37,6 @@ def uniform(seed: int, agent: int, tensor: str, numel: int, start: int, stop: in
         out[pos - start:end - start] = draw[pos - c0:end - c0]
         pos = end
     return out
-
-
-def row_length(shape: tuple[int, ...]) -> int:
-    """Elements per row (``shape[1:]``); a 1-D tensor is one row, as mergekit's unsqueeze(0)."""
-    return math.prod(shape[1:]) if len(shape) >= 2 else max(math.prod(shape), 1)
-
-
-def weight_sum(w: np.ndarray) -> np.float32:
-    """Σ w_t accumulated in float64 and rounded once to float32: the same on every machine and both paths
-    (torch's own float32 sum adds in an order that depends on the length and the CPU's vector width)."""
-    return np.float32(np.sum(np.asarray(w, dtype=np.float32), dtype=np.float64))
 
 
 def row_ranks(absd: torch.Tensor, row: int) -> torch.Tensor:

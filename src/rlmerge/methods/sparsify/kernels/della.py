@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .codec import _dec, _f32_as_u32, _tau
+from ....kernels.codec import _dec, _f32_as_u32, _tau
 
 MIN_BINS = 256  # counting-sort bins at least (a sparse row with a wide range of |τ| gets this many)
 _ABS = np.uint32(0x7FFFFFFF)

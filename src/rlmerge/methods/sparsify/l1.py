@@ -1,5 +1,5 @@
 """L1 norms for ``rescale: l1`` (DARE, DELLA), summed in a fixed order that any block size and the fast path
-(_numba_dare.py) reproduce bit for bit.
+(kernels/dare.py) reproduce bit for bit.
 
 A float64 sum's last bits depend on its order, and the rescale factor Σ|τ| / Σ|kept τ| is rounded to float32
 from them: a sum left to torch (whose reduction order depends on the CPU's vector width and the block size)
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._ops import RNG_CHUNK as CHUNK  # one piece of a block serves both the random numbers and the lanes
+from .rng import RNG_CHUNK as CHUNK  # one piece of a block serves both the random numbers and the lanes
 
 if TYPE_CHECKING:
     import torch

@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..methods._ops import RNG_CHUNK as CHUNK
+from ....kernels.codec import _dec, _tau
+from ....kernels.layout import TILE
+from ..rng import RNG_CHUNK as CHUNK
 from . import mt
-from .codec import _dec, _tau
 from .della import probs, rank_span, scratch
-from .layout import TILE
 from .select import combine
 
 RESCALE_NONE, RESCALE_INVERSE, RESCALE_L1 = 0, 1, 2

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .codec import _dec, _f32_as_u32, _tau
-from .fused import rule_tile
-from .layout import TILE
+from ....kernels.codec import _dec, _f32_as_u32, _tau
+from ....kernels.fused import rule_tile
+from ....kernels.layout import TILE
 
 _ABS = np.uint32(0x7FFFFFFF)
 

@@ -11,17 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import kernels
-from ..io.writer import CheckpointWriter
-from ..methods._l1 import CHUNK, l1_factors
-from ..methods._ops import chunk_seed, row_length
-from ..methods.gta import combine_constants, magprune_epsilon, per_agent
-from ..stats import TensorStats
-from ..stream.fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
-from ..stream.match import Job
+from ...io.writer import CheckpointWriter
+from ...kernels import rule_key
+from ...params import per_agent
+from ...stats import TensorStats
+from ...stream.blocks import row_length
+from ...stream.fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
+from ...stream.match import Job
+from . import kernels
+from .l1 import CHUNK, l1_factors
+from .presets import combine_constants, magprune_epsilon
+from .rng import chunk_seed
 
 if TYPE_CHECKING:
-    from .backends import Run
+    from ...engine.backends import Run
 
 RESCALE = {"none": 0, "inverse": 1, "l1": 2}  # _numba_dare.RESCALE_*
 # ``l1``: the keep bits of a tensor, from its L1 sums, are kept for its merge (no second draw and ranking) when
@@ -74,7 +77,7 @@ class RandomBackend:
         run, n = self.run, self.n
         params = run.params_of(job.name)
         self.c = combine_constants(run.spec.name, run.spec.sparsify, params, n)
-        self.key, self.consts = kernels.rule_key(self.c.program, tau=True), self.c.program.arrays(self.c.values)
+        self.key, self.consts = rule_key(self.c.program, tau=True), self.c.program.arrays(self.c.values)
         dens = np.array(per_agent(params.density, n, "gta", "density"), dtype=np.float32)
         eps = np.array(magprune_epsilon(params, n) if self.magprune else (0.0,) * n, dtype=np.float32)
         self.plo = dens - eps if self.magprune else dens

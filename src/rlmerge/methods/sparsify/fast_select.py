@@ -12,17 +12,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import kernels
-from ..io.writer import CheckpointWriter
-from ..methods._select import BINS, NO_CUT, ROUNDS, TieCut
-from ..methods.gta import GtaObserver, combine_constants
-from ..stats import TensorStats
-from ..stream.fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
-from ..stream.match import Job
+from ...io.writer import CheckpointWriter
+from ...kernels import SUBHISTS, rule_key
+from ...stats import TensorStats
+from ...stream.fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
+from ...stream.match import Job
+from .._select import BINS, NO_CUT, ROUNDS, TieCut
+from . import kernels
+from .observer import GtaObserver
+from .presets import combine_constants
 
 if TYPE_CHECKING:
-    from .backends import Run
-    from .cache import CacheView
+    from ...engine.backends import Run
+    from ...engine.cache import CacheView
 
 
 def select_reads(obs: GtaObserver, job: Job, block: int, cached: CacheView | None = None) -> int:
@@ -52,7 +54,7 @@ class SelectBackend:
         self.stats_args = stats_args(n, run.stats.epsilon)
         self.whole_model = observer.preset.prune == "magnitude-global"
         # round 0 per agent: sub-histograms of the digit, then the zeros; later rounds per query, spares past the end
-        self.hist0 = np.zeros((fast.threads, n, kernels.SUBHISTS, BINS[0] + 1), dtype=np.int64)
+        self.hist0 = np.zeros((fast.threads, n, SUBHISTS, BINS[0] + 1), dtype=np.int64)
         self.histq = np.zeros((fast.threads, 0, max(BINS[1:]) + 8), dtype=np.int64)
         self._numel = 0
 
@@ -65,16 +67,16 @@ class SelectBackend:
         sel = self.obs.selection
         assert sel is not None
         if sel.round == 0:
-            self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_hist_first(
+            self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.hist_first(
                 base, agents, lo, hi, self.hist0[k], self.fast.tau_arg))
-            if self.hist0[:, :, :, kernels.GTA_NONFINITE_BIN:BINS[0]].any():  # |τ| ≥ inf: exponent all ones
+            if self.hist0[:, :, :, kernels.NONFINITE_BIN:BINS[0]].any():  # |τ| ≥ inf: exponent all ones
                 self.fast.raise_non_finite(job, start, base, agents)
             self._numel += base.shape[0]
             return
         if self.histq.shape[1] != len(sel.streams):
             self.histq = np.zeros((self.fast.threads, len(sel.streams), max(BINS[1:]) + 8), dtype=np.int64)
         shift, width = sel.digit
-        self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_hist_next(
+        self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.hist_next(
             base, agents, lo, hi, sel.streams, sel.prefix, sel.active, shift, width, self.histq[k], self.fast.tau_arg))
 
     def _end_round(self, name: str | None) -> bool:
@@ -169,8 +171,8 @@ class SelectBackend:
         run = self.run
         c = combine_constants(run.spec.name, run.spec.sparsify, run.params_of(job.name), len(run.match.agents))
         cut = np.ascontiguousarray(cut, dtype=np.int64)
-        key, (consts, agent_consts) = kernels.rule_key(c.program, tau=True), c.program.arrays(c.values)
-        self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gta_merge_range(
+        key, (consts, agent_consts) = rule_key(c.program, tau=True), c.program.arrays(c.values)
+        self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.select_merge_range(
             base, agents, lo, hi, keep_lo, keep_hi, cut, start, c.w, consts, agent_consts, key, merged,
             self.fast.tau_arg))
 
