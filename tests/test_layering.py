@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rule", ("rlmerge.methods.rule",)),
     ("kernels", ("rlmerge.kernels",)),
     ("stream", ("rlmerge.stream",)),
-    ("method interface", ("rlmerge.methods.spec", "rlmerge.methods._select")),
+    ("method interface", ("rlmerge.methods.interface", "rlmerge.methods.spec", "rlmerge.methods._select")),
     ("families", ("rlmerge.methods",)),
     ("registry", ("=rlmerge.methods", "rlmerge.methods.registry")),
     ("report", ("rlmerge.report",)),
@@ -57,15 +57,15 @@ def _type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def imports(path: Path) -> set[str]:
-    """rlmerge modules imported by the file (absolute names), TYPE_CHECKING blocks left out."""
+def imports(path: Path, *, typing: bool = False) -> set[str]:
+    """rlmerge modules imported by the file (absolute names); TYPE_CHECKING blocks left out unless ``typing``."""
     mod = module_name(path)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child):
+            if isinstance(child, ast.If) and _type_checking(child) and not typing:
                 for sub in child.orelse:
                     visit(sub)
                 continue
@@ -91,8 +91,8 @@ def imports(path: Path) -> set[str]:
     return found
 
 
-def graph() -> dict[str, set[str]]:
-    return {module_name(p): imports(p) for p in sorted(SRC.rglob("*.py"))}
+def graph(*, typing: bool = False) -> dict[str, set[str]]:
+    return {module_name(p): imports(p, typing=typing) for p in sorted(SRC.rglob("*.py"))}
 
 
 def test_every_import_follows_the_flow() -> None:
@@ -135,3 +135,16 @@ def test_no_import_cycles() -> None:
 def test_every_module_has_a_layer() -> None:
     for mod in graph():
         layer_of(mod)
+
+
+# The engine reads a method through the public interface and the registry only: a family declares what it needs
+# (its hooks, its own backend's Capability), and the engine never names one.
+INTERFACE = ("rlmerge.methods", "rlmerge.methods.registry", "rlmerge.methods.spec", "rlmerge.methods.interface",
+             "rlmerge.methods.rule")
+
+
+def test_the_engine_never_imports_a_method_family() -> None:
+    naming = sorted(f"{mod} imports {dep}" for mod, deps in graph(typing=True).items()
+                    if mod.startswith("rlmerge.engine") for dep in deps
+                    if dep.startswith("rlmerge.methods") and dep not in INTERFACE)
+    assert not naming, "the engine names a method family:\n" + "\n".join(naming)

@@ -14,12 +14,12 @@ from .._torch import torch
 from ..errors import ConfigError, RLMergeError, raise_all
 from ..io.open import open_all
 from ..io.partial import output_problems, write_file
-from ..methods import BlockContext
+from ..methods import BlockContext, Observer, Run
 from ..report import Report, build_report, dtype_facts
 from ..stats import Magnitudes, Statistics
 from ..stream.blocks import DEFAULT_BLOCK, BlockReader, device_type
 from ..stream.match import match_models
-from .backends import Run, TorchBackend
+from .backends import TorchBackend
 from .passes import statistics_pass
 from .preflight import parse_block_size
 from .progress import Progress
@@ -28,7 +28,7 @@ from .route import route
 DEFAULT_THRESHOLDS = (1e-6, 1e-5, 1e-4, 1e-3)
 
 
-class MagnitudeObserver:
+class MagnitudeObserver(Observer):
     """Feeds each block of the statistics pass into the |τ| / |θ₀| histograms (the engine's observer protocol)."""
 
     def __init__(self, mags: Magnitudes) -> None:

@@ -4,29 +4,25 @@
   method, input, device);
 - ``FusedBackend``: the numba block stream (stream/fast.py) and the method's elementwise rule compiled
   (kernels/fused.py);
-- ``SelectBackend`` (fast_select.py): TIES / Breadcrumbs thresholds and merge on the numba block stream;
-- ``RandomBackend`` (fast_random.py): DARE / DELLA on the numba block stream.
+- a family's own (``MethodSpec.backend``, as the route chose it: e.g. methods/sparsify/fast_select.py), opened on
+  the numba block stream.
 
-Each backend counts a tensor's statistics (``statistics``), and merges it (``begin_merge`` with the tensors it
-will merge, in order, then ``merge_job`` for each), writing through the checkpoint writer in job order. They
-write the same bytes (the golden matrix, tests/test_golden.py).
+Each backend (methods/spec.Runner) counts a tensor's statistics (``statistics``), and merges it (``begin_merge``
+with the tensors it will merge, in order, then ``merge_job`` for each), writing through the checkpoint writer in
+job order. They write the same bytes (the golden matrix, tests/test_golden.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from .._torch import torch
-from ..io.checkpoint import Checkpoint
 from ..io.writer import CheckpointWriter
-from ..methods import BlockContext, MethodSpec
-from ..methods.sparsify.fast_random import RandomBackend
-from ..methods.sparsify.fast_select import SelectBackend
+from ..methods import MethodSpec, Run, Runner
 from ..stats import Statistics, TensorStats, check_finite
 from ..stream.blocks import Block, BlockReader, tensor_bytes
 from ..stream.fast import FastPath, RuleArgs, job_reads, statistics_pass_fast, write_slot
@@ -35,50 +31,16 @@ from . import survival
 from .route import Route
 
 
-@dataclass
-class Run:
-    """What the passes share: the inputs, the method, the statistics being gathered, and what prepare() made."""
-
-    match: Match
-    spec: MethodSpec
-    params: Any
-    stats: Statistics
-    seed: int = 0
-    observer: Any = None  # the method's statistics observer (spec.observer), if it has one
-    extras: list[Checkpoint] = field(default_factory=list)  # per-agent side inputs (Fisher diagonals)
-    prepared: Any = None  # spec.prepare's constants, set between the passes
-    read_bytes: int = 0  # what the passes read, as they read it
-    cache: Any = None  # cache.CacheView: what earlier merges of the same inputs gathered (a sweep), or None
-    at: Callable[[str], Any] | None = None  # tensor name → its parameters, where a recipe gave them per tensor
-
-    def params_of(self, name: str) -> Any:
-        """The parameters of tensor ``name`` (``params`` unless a recipe's gradient or filter made them its own)."""
-        return self.params if self.at is None else self.at(name)
-
-    def rescaled(self, name: str) -> np.ndarray | None:
-        """The agents whose unique elements tensor ``name`` rescales (survival.py), None for a method without."""
-        if self.spec.unique_scale is None:
-            return None
-        p, n = self.params_of(name), len(self.match.agents)
-        values = self.spec.values(p, self.prepared, self.stats.tensors.get(name), n, name)
-        return survival.rescaled(self.spec, values, n)
-
-    def context(self, job: Job, blk: Block, prepared: Any) -> BlockContext:
-        return BlockContext(job.name, blk.start, blk.stop, job.info.shape, job.present, prepared,
-                            self.stats.tensors.get(job.name), self.seed, blk.extra,
-                            None if self.at is None else self.at(job.name))
+def rescaled(run: Run, name: str) -> np.ndarray | None:
+    """The agents whose unique elements tensor ``name`` rescales (survival.py), None for a method without."""
+    if run.spec.unique_scale is None:
+        return None
+    p, n = run.params_of(name), len(run.match.agents)
+    values = run.spec.values(p, run.prepared, run.stats.tensors.get(name), n, name)
+    return survival.rescaled(run.spec, values, n)
 
 
-class Backend(Protocol):
-    fast: FastPath | None  # the numba block stream it runs on, if any (its threads stop with the merge)
-
-    def reads(self, job: Job) -> int: ...
-    def statistics(self, jobs: list[Job], bar: Any) -> None: ...
-    def begin_merge(self, jobs: list[Job]) -> None: ...
-    def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None: ...
-
-
-def make_backends(route: Route, run: Run, *, block_size: int, device: str) -> tuple[Backend | None, TorchBackend]:
+def make_backends(route: Route, run: Run, *, block_size: int, device: str) -> tuple[Runner | None, TorchBackend]:
     """(the numba backend the route chose, or None; the torch backend, for every other tensor)."""
     torch_backend = TorchBackend(run, BlockReader(run.match, block_size=block_size, device=device,
                                                   rows=run.spec.row_blocks(run.params), extras=run.extras or None))
@@ -86,12 +48,13 @@ def make_backends(route: Route, run: Run, *, block_size: int, device: str) -> tu
         return None, torch_backend
     fast = FastPath(run.match, block_size, exact_gram=run.spec.exact_gram, rows=run.spec.row_blocks(run.params),
                     on_read=lambda n: _count_read(run, n))
-    kind = {"fused": FusedBackend, "select": SelectBackend, "random": RandomBackend}[route.kind]
-    return kind(run, fast), torch_backend  # type: ignore[abstract]
+    if route.backend is not None:  # the family's own, as it declared itself (spec.Capability)
+        return route.backend.open(run, fast), torch_backend
+    return FusedBackend(run, fast), torch_backend
 
 
 @contextlib.contextmanager
-def closing(fast: Backend | None) -> Iterator[None]:
+def closing(fast: Runner | None) -> Iterator[None]:
     """Stop the numba backend's threads when the passes end; when they were interrupted, without waiting long
     for a call still running (rlmerge._threads)."""
     aborted = True
@@ -111,7 +74,8 @@ def rule_args(spec: MethodSpec, p: Any, prepared: Any, ts: TensorStats | None, n
               name: str) -> RuleArgs:
     """The fused kernel's arguments for tensor ``name`` of an elementwise method."""
     prog = spec.program(p, n)
-    assert prog is not None  # the route sends only methods with a rule here
+    if prog is None:
+        raise RuntimeError(f"method {spec.name!r}: the fused backend runs a rule, and these parameters have none")
     values = spec.values(p, prepared, ts, n, name)
     consts, agent_consts = prog.arrays(values)
     return RuleArgs(prog, consts, agent_consts, np.float32(eps), survival.rescaled(spec, values, n))
@@ -174,7 +138,7 @@ class TorchBackend:
     def merge_job(self, job: Job, ts: TensorStats | None, out: CheckpointWriter, bar: Any) -> None:
         run = self.run
         files = _agent_files(run.match, job.name)
-        flags = run.rescaled(job.name)
+        flags = rescaled(run, job.name)
         counts = np.zeros((len(run.match.agents), 2), dtype=np.int64)
         for blk in self._blocks(job):
             if ts is not None:

@@ -6,14 +6,15 @@ input_identity``, and the jobs: names, sizes, tied double counts, missing tensor
 - **counts** per ε: each merged tensor's ``TensorStats`` (k-of-N counts, norms, Gram), and which backend counted it
   (numba's Gram sums are reassociated, so an entry serves only a route that counts the tensor the same way; the
   counts themselves are exact either way). RAM+'s ρ and λ for any preset, r, α or R come from these.
-- **round-0 histograms** per tensor: the first digit of every agent's |τ| (``methods._select``), the same for any
-  density; a TIES / Breadcrumbs threshold then needs only its in-bin refinement rounds.
-- **thresholds** per tensor and selection (pruning, densities, γ): a second candidate with the same selection
-  (another scaling, other weights) reads each tensor once.
+- **what a method's observer or its family's backend found**, as arrays per (kind, key, tensor): the entries of
+  ``methods.Entries`` (``get``, ``put``, ``used``), which the method names and keys itself. The sparsify family
+  keeps each tensor's round-0 histogram of |τ| (any density: a TIES / Breadcrumbs threshold then needs only its
+  in-bin rounds) and its thresholds per selection (another scaling or other weights then read each tensor once).
 
 A merge sees a ``CacheView``: a snapshot of what the cache held when it started (what it adds is seen by the next
 merge, never by itself, so the route's reads stay what it planned). ``route`` asks the view whether the statistics
-pass can be skipped (``covers``) and how often the selecting backend must read a tensor. The entries are
+pass can be skipped (``covers``: the counts, and what the observer says it can reuse), and a family's backend how
+often it reads a tensor (from what the view holds). The entries are
 kilobytes (counts) to a few MB (histograms: N · 2,049 · 8 bytes per tensor); ``save`` and ``load`` keep them in
 a folder (``io.sweepdir``) so that ``--resume`` does not count again.
 """
@@ -31,8 +32,7 @@ import numpy as np
 
 from ..io.checkpoint import Checkpoint
 from ..io.partial import input_identity
-from ..methods import MethodSpec
-from ..methods.sparsify.observer import GtaObserver
+from ..methods import MethodSpec, Observer
 from ..stats import Statistics, TensorStats
 from ..stream.match import Job, Match
 
@@ -55,11 +55,6 @@ def inputs_key(match: Match, extras: Sequence[Checkpoint] = ()) -> str:
     return hashlib.sha256(doc.encode()).hexdigest()[:32]
 
 
-def selection_key(obs: GtaObserver) -> str:
-    """What a tensor's |τ| window depends on besides the data: the pruning and each agent's density and γ."""
-    return repr((obs.preset.prune, tuple(float(d) for d in obs.density), tuple(float(g) for g in obs.gamma)))
-
-
 def _h(*parts: Any) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
@@ -68,7 +63,7 @@ def _h(*parts: Any) -> str:
 class _Group:
     """Entries of one kind under one key, in insertion order; ``dirty`` until saved."""
 
-    kind: str  # "counts", "hist0", "bounds"
+    kind: str  # "counts", or a method's kind of entry (the sparsify family's: "hist0", "bounds", "kept")
     meta: dict[str, Any]
     items: dict[str, Any] = field(default_factory=dict)
     dirty: bool = False
@@ -80,7 +75,7 @@ class StatsCache:
     def __init__(self, store: Store | None = None) -> None:
         self.store = store
         self._groups: dict[str, _Group] = {}
-        self.hits = {"counts": 0, "hist0": 0, "bounds": 0}  # entries served (benchmarks, tests)
+        self.hits = {"counts": 0, "hist0": 0, "bounds": 0}  # entries served, by kind (benchmarks, tests)
         if store is not None:
             self._load(store)
 
@@ -123,16 +118,16 @@ class StatsCache:
                 g.dirty = False
 
     def _load(self, store: Store) -> None:
-        for kind in ("counts", "hist0", "bounds"):
-            for fname in store.names(kind + "-"):
-                arrays = store.read_arrays(fname)
-                if arrays is None:
-                    continue
-                try:
-                    g = _decode(kind, arrays)
-                except (KeyError, ValueError, TypeError):
-                    continue  # unreadable (an older layout): counted again, then replaced
-                self._groups[fname.removeprefix(kind + "-")] = g
+        for fname in store.names(""):  # KIND-GROUP, as ``save`` names them
+            kind, _, gid = fname.partition("-")
+            arrays = store.read_arrays(fname)
+            if arrays is None or not gid:
+                continue
+            try:
+                g = _decode(kind, arrays)
+            except (KeyError, ValueError, TypeError):
+                continue  # unreadable (an older layout): counted again, then replaced
+            self._groups[gid] = g
 
 
 def _encode(g: _Group) -> dict[str, np.ndarray]:
@@ -182,40 +177,33 @@ class CacheView:
         eps = spec.epsilon(p)
         return all(self._has(self._counts_id(eps, spec.exact_gram, j.name in numba), j.name) for j in jobs)
 
-    def covers(self, spec: MethodSpec, p: Any, observer: Any, jobs: Sequence[Job], numba: frozenset[str],
-               *, observed: bool) -> bool:
+    def covers(self, spec: MethodSpec, p: Any, observer: Observer | None, jobs: Sequence[Job],
+               numba: frozenset[str], *, observed: bool) -> bool:
         """Whether the statistics pass can be skipped: the counts are here and so is whatever the method's observer
-        would make in that pass (``observed``: it would run there) — the |τ| windows of a selection."""
+        would make in that pass (``observed``: it would run there), as the observer says (``reusable``)."""
         if not self.has_counts(spec, p, jobs, numba):
             return False
         if observer is None or not observed:
             return True
-        if not isinstance(observer, GtaObserver) or observer.needs_l1 or not observer.needs_selection:
-            return False  # other observers (slerp, Fisher norms, arm-ties thresholds, L1 sums): counted again
-        names = [""] if observer.preset.prune == "magnitude-global" else [j.name for j in jobs]
-        return all(self.window(observer, n) is not None for n in names)
+        return observer.reusable(self, [j.name for j in jobs])
 
-    def window(self, obs: GtaObserver, name: str) -> np.ndarray | None:
-        """[2, N] float32: the cached |τ| window of tensor ``name`` ("": the whole model) for ``obs``'s selection.
-        None for an exact-k selection (TIES' tie_break = index): the window alone does not say which of the values
-        tied at its threshold are kept, so such a selection runs its rounds (from the cached round-0 histogram)."""
-        if getattr(obs, "exact", False):
-            return None
-        gid = _h(self.key, "bounds", selection_key(obs))
+    # -- a method's own entries (methods.Entries) --------------------------------------------------------------
+    def _gid(self, kind: str, key: str) -> str:
+        return _h(self.key, kind, key) if key else _h(self.key, kind)
+
+    def get(self, kind: str, key: str, name: str) -> np.ndarray | None:
+        """The array a method put under (``kind``, ``key``) for tensor ``name`` before this merge started, or None."""
+        gid = self._gid(kind, key)
         if not self._has(gid, name):
             return None
-        return np.array(self.cache.get(gid, name), dtype=np.float32)
+        return np.array(self.cache.get(gid, name))
 
-    def hist0(self, name: str) -> np.ndarray | None:
-        """[N, BINS[0] + 1] int64: the cached round-0 histogram of tensor ``name``'s |τ|."""
-        gid = _h(self.key, "hist0")
-        if not self._has(gid, name):
-            return None
-        return np.array(self.cache.get(gid, name), dtype=np.int64)
+    def put(self, kind: str, key: str, name: str, value: np.ndarray) -> None:
+        self.cache.put(self._gid(kind, key), kind, {"key": key} if key else {}, name, np.array(value))
 
     def used(self, kind: str) -> None:
         """Count an entry a merge used instead of reading the weights (``StatsCache.hits``)."""
-        self.cache.hits[kind] += 1
+        self.cache.hits[kind] = self.cache.hits.get(kind, 0) + 1
 
     # -- what the engine reads and adds -----------------------------------------------------------------
     def statistics(self, spec: MethodSpec, p: Any, agents: list[str], order: Sequence[Job],
@@ -240,32 +228,12 @@ class CacheView:
                            {"n_agents": stats.n_agents, "epsilon": eps, "exact_gram": spec.exact_gram,
                             "numba": flag}, name, copy.deepcopy(ts))
 
-    def put_window(self, obs: GtaObserver, name: str, window: np.ndarray) -> None:
-        key = selection_key(obs)
-        self.cache.put(_h(self.key, "bounds", key), "bounds", {"selection": key}, name,
-                       np.array(window, dtype=np.float32))
+    def fill_observer(self, obs: Observer | None, jobs: Sequence[Job]) -> None:
+        """Give the method's observer what its statistics pass would have found (``reuse``)."""
+        if obs is not None:
+            obs.reuse(self, [j.name for j in jobs])
 
-    def put_hist0(self, name: str, counts: np.ndarray) -> None:
-        self.cache.put(_h(self.key, "hist0"), "hist0", {}, name, np.array(counts, dtype=np.int64))
-
-    def fill_observer(self, obs: Any, jobs: Sequence[Job]) -> None:
-        """Give a selection's observer the cached windows (what its statistics pass would have found)."""
-        if not isinstance(obs, GtaObserver):
-            return
-        kept = _h(self.key, "kept", selection_key(obs))
-        for name in ("", *(j.name for j in jobs)):
-            w = self.window(obs, name)
-            if w is not None:
-                obs.bounds[name] = w
-                self.used("bounds")
-                if self._has(kept, name):  # what the trim kept: the merge's `kept` column
-                    obs.kept[name] = np.array(self.cache.get(kept, name), dtype=np.int64)
-
-    def put_observer(self, obs: Any) -> None:
-        """Keep the windows a statistics pass found (per tensor, or "" for the whole model)."""
-        if isinstance(obs, GtaObserver) and obs.needs_selection and not obs.needs_l1:
-            for name, w in obs.bounds.items():
-                self.put_window(obs, name, w)
-            key = selection_key(obs)
-            for name, k in obs.kept.items():
-                self.cache.put(_h(self.key, "kept", key), "kept", {"selection": key}, name, np.array(k, dtype=np.int64))
+    def put_observer(self, obs: Observer | None) -> None:
+        """Keep what a statistics pass's observer found (``keep``)."""
+        if obs is not None:
+            obs.keep(self)

@@ -47,8 +47,7 @@ class Candidate:
 
     @property
     def random(self) -> bool:
-        preset = self.spec.sparsify
-        return preset is not None and not preset.windowed  # drawn masks: the seed is part of a candidate
+        return self.spec.seeded  # drawn masks: the seed is part of a candidate
 
     @property
     def label(self) -> str:

@@ -31,10 +31,10 @@ from ..errors import ConfigError, InputError, OutputError, RLMergeError, raise_a
 from ..io.partial import PartialDir, input_identity
 from ..io.shardfiles import ShardFiles
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards
-from ..methods.sparsify.observer import GtaObserver
+from ..methods import Observer, Run
 from ..stats import Statistics, TensorStats
 from ..stream.blocks import DEFAULT_BLOCK
-from .backends import Run, closing, make_backends
+from .backends import closing, make_backends
 from .build import Context, Scored, Scorer, build_and_score, warm
 from .cache import StatsCache
 from .candidates import Candidate
@@ -43,6 +43,7 @@ from .merge import (
     cached_statistics,
     check_copies,
     finish_output,
+    method_rows,
     output_fingerprint,
     rescale_survival,
     statistics_only,
@@ -260,10 +261,10 @@ def _statistics_task(req: _Request, names: list[str]) -> tuple[dict[str, TensorS
 @ray.remote
 def _merge_task(req: _Request, shard_ids: list[int], expected: list[str], prepared: Any, observer: Any,
                 tensor_stats: dict[str, TensorStats], collect: bool, output: str, tmp: str, metadata: dict[str, str],
-                fsync: bool) -> tuple[list[Record], dict[str, TensorStats], int, dict[str, Any]]:
+                fsync: bool) -> tuple[list[Record], dict[str, TensorStats], int, Observer | None]:
     """Write shards ``shard_ids`` into the partial folder ``tmp``: ((file, bytes, CRC-32, notes on its tensors) of
-    each, counts, bytes read, what a trim kept per tensor: the observer's ``kept``, for the merge table's kept
-    column)."""
+    each, counts, bytes read, the method's observer after merging them: what it found there (a trim's kept counts,
+    for the merge table's kept column) goes to the driver's, ``Observer.absorb``)."""
     pf = req.open()
     try:
         assert pf.match is not None and pf.spec is not None
@@ -289,8 +290,7 @@ def _merge_task(req: _Request, shard_ids: list[int], expected: list[str], prepar
                 merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=collect)
                 writer.complete()
             _fault_point()
-        return (files.records, (stats.tensors if collect else {}), run.read_bytes,
-                dict(getattr(run.observer, "kept", None) or {}))
+        return files.records, (stats.tensors if collect else {}), run.read_bytes, run.observer
     finally:
         pf.close()
 
@@ -357,10 +357,7 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
         needs = chosen.method_statistics
         prepared = spec.prepare(p, stats if needs else None, len(match.agents))
         collect = not stats.tensors
-        result = MergeResult(partial.output, spec.name, p, stats, passes=chosen.passes, defaults=defaults,
-                             warnings=[*notes, *match.warnings, *getattr(prepared, "warnings", ())])
-        if prepared is not None and hasattr(prepared, "lambdas"):
-            result.lambdas, result.rho = list(prepared.lambdas), list(prepared.rho)
+        result = MergeResult(partial.output, spec.name, p, stats, passes=chosen.passes, defaults=defaults)
         todo = [[i for i in g if i >= kept] for g in groups]
         todo = [g for g in todo if g]
         refs = (ray.put(prepared), ray.put(observer))
@@ -372,9 +369,9 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
         trimmed = observer if observer is not None else spec.observer(p, len(match.agents))
 
         def finished(i: int, value: Any) -> None:
-            records, tensors, nbytes, kept_counts = value
-            if trimmed is not None and hasattr(trimmed, "kept"):
-                trimmed.kept.update(kept_counts)
+            records, tensors, nbytes, theirs = value
+            if trimmed is not None and theirs is not None:
+                trimmed.absorb(theirs)  # what a task's observer found while merging (a trim's kept counts)
             for shard, rec in zip(todo[i], records):
                 done[shard] = rec
             counted.update(tensors)
@@ -397,8 +394,7 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
             stats.tensors = {j.name: counted[j.name] for j in match.merge_jobs}  # job order, as a local merge
             if view is not None:
                 view.put_counts(spec, p, stats, chosen.fast)
-        kept_fraction = getattr(trimmed if trimmed is not None else prepared, "kept_fraction", None)
-        result.kept = kept_fraction(stats) if kept_fraction is not None else None  # as a local merge reports it
+        method_rows(result, spec.report(p, prepared, trimmed, stats), [*notes, *match.warnings])  # as a local merge
         if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
             result.warnings += stats.identical_agents()
         rescale_survival(result, match, writer.annotations())  # the workers' notes, adopted with their shards
@@ -421,14 +417,13 @@ def _statistics(pf: Preflight, chosen: Route, req: _Request, view: Any, *, worke
         if view is not None:
             stats = cached_statistics(view, match, spec, p, chosen, counted=chosen.method_statistics) or stats
         observer = None
-        if stats.tensors and chosen.method_statistics:
+        if view is not None and stats.tensors and chosen.method_statistics:
             observer = spec.observer(p, len(match.agents))
             view.fill_observer(observer, match.merge_jobs)
             stats.observed = observer
         return stats, observer, 0
     observer = spec.observer(p, len(match.agents))
-    whole = isinstance(observer, GtaObserver) and observer.preset.prune == "magnitude-global"
-    if observer is not None and (chosen.kind in ("fused", "torch") or whole):  # fed in the pass: on the driver
+    if chosen.observed:  # the observer is fed in the pass: on the driver
         stats, observer, nbytes = statistics_only(match, spec, p, chosen, block_size=req.block_size,
                                                   device=req.device, seed=req.seed, extras=extras, cache=view)
         return stats, observer, nbytes

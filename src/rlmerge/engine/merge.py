@@ -16,7 +16,7 @@ from ..io.hub import push, push_problems
 from ..io.partial import PartialDir, fingerprint, input_identity
 from ..io.tokenizer import GENERATION, TEMPLATE_FILES, TOKENIZER_FILES
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
-from ..methods import MethodSpec
+from ..methods import MethodSpec, Rows, Run
 from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
 from ..report.card import adapter_lines, model_card
 from ..report.provenance import provenance
@@ -25,7 +25,7 @@ from ..stream.blocks import DEFAULT_BLOCK, device_type, spans
 from ..stream.match import Match
 from . import survival
 from .adapter import AdapterOptions, AdapterWriter, adapter_writer
-from .backends import Run, closing, make_backends
+from .backends import closing, make_backends
 from .passes import merge_pass, statistics_pass
 from .preflight import preflight
 from .progress import Progress
@@ -216,16 +216,12 @@ def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool]
                 stats.observed = run.observer
         needs = chosen.method_statistics
         run.prepared = spec.prepare(p, stats if needs else None, len(match.agents))
-        warnings = [*(notes or ()), *match.warnings, *getattr(run.prepared, "warnings", ())]
-        result = MergeResult(output, spec.name, p, stats, warnings=warnings, passes=chosen.passes,
-                             defaults=list(defaults or ()), per_tensor={k: str(v) for k, v in (schedule or {}).items()})
-        if run.prepared is not None and hasattr(run.prepared, "lambdas"):
-            result.lambdas, result.rho = list(run.prepared.lambdas), list(run.prepared.rho)
         merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=collect)
         if collect and cache is not None:
             cache.put_counts(spec, p, stats, chosen.fast)  # counted by the backend that merged each tensor
-        kept = getattr(run.observer if run.observer is not None else run.prepared, "kept_fraction", None)
-        result.kept = kept(stats) if kept is not None else None
+        result = MergeResult(output, spec.name, p, stats, passes=chosen.passes, defaults=list(defaults or ()),
+                             per_tensor={k: str(v) for k, v in (schedule or {}).items()})
+        method_rows(result, spec.report(p, run.prepared, run.observer, stats), [*(notes or ()), *match.warnings])
         if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
             result.warnings += stats.identical_agents()
         rescale_survival(result, match, writer.annotations())
@@ -249,6 +245,14 @@ def statistics_only(match: Match, spec: MethodSpec, p: Any, chosen: Route, *, bl
         cache.put_counts(spec, p, stats, chosen.stats_fast)
         cache.put_observer(run.observer)
     return stats, run.observer, run.read_bytes
+
+
+def method_rows(result: MergeResult, rows: Rows, warnings: list[str]) -> None:
+    """What the method reported about its merge (``MethodSpec.report``), into ``result``, after ``warnings``."""
+    result.lambdas = None if rows.lambdas is None else list(rows.lambdas)
+    result.rho = None if rows.rho is None else list(rows.rho)
+    result.kept = None if rows.kept is None else list(rows.kept)
+    result.warnings = [*warnings, *rows.warnings]
 
 
 def rescale_survival(result: MergeResult, match: Match, notes: Mapping[str, Any]) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from ..io.writer import CheckpointWriter
+from ..methods import Run, Runner
 from ..stream.blocks import spans
-from .backends import Backend, Run, TorchBackend
+from .backends import TorchBackend
 from .progress import Progress
 from .route import Route
 
 
-def statistics_pass(run: Run, route: Route, fast: Backend | None, torch: TorchBackend, progress: Progress) -> None:
+def statistics_pass(run: Run, route: Route, fast: Runner | None, torch: TorchBackend, progress: Progress) -> None:
     """Every merged tensor's statistics (and the method's observer), numba tensors first, then torch's."""
     jobs = run.match.merge_jobs
     with progress.task("statistics", total=sum(j.info.nbytes for j in jobs), tensors=len(jobs)) as bar:
@@ -18,7 +19,7 @@ def statistics_pass(run: Run, route: Route, fast: Backend | None, torch: TorchBa
         torch.statistics([j for j in jobs if j.name not in route.stats_fast], bar)
 
 
-def merge_pass(run: Run, route: Route, fast: Backend | None, torch: TorchBackend, writer: CheckpointWriter,
+def merge_pass(run: Run, route: Route, fast: Runner | None, torch: TorchBackend, writer: CheckpointWriter,
                progress: Progress, *, collect: bool) -> None:
     """Every pending tensor in job order: copied from the base, or merged by its backend (``collect``: the
     statistics are gathered here, no statistics pass ran)."""

@@ -21,21 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 from ..io.checkpoint import Checkpoint
-from ..methods import MethodSpec
-from ..methods.sparsify.fast_random import MASK_BYTES, random_reads
-from ..methods.sparsify.fast_select import select_reads
-from ..methods.sparsify.observer import GtaObserver
+from ..methods import Capability, MethodSpec, Observer
 from ..stream.fast import eligible, enabled, fast_block, row_step
 from ..stream.match import Job, Match
 from .budget import MemoryEstimate, estimate_fast, estimate_memory
+from .cache import CacheView
 
-if TYPE_CHECKING:
-    from .cache import CacheView
-
-Kind = Literal["fused", "select", "random", "torch"]
+Kind = str  # "fused", "torch", or the kind of a family's own backend (Capability.kind: "select", "random")
 
 
 @dataclass(frozen=True)
@@ -50,6 +45,8 @@ class Route:
     memory: MemoryEstimate
     read_bytes: int  # every byte of weights read, over both passes (copied tensors included)
     write_bytes: int
+    observed: bool = False  # the method's observer is fed in the statistics pass
+    backend: Capability | None = None  # the family's own backend, when ``kind`` is its
 
     @property
     def passes(self) -> list[str]:
@@ -72,64 +69,54 @@ def route(match: Match, spec: MethodSpec | None, p: Any, *, device: str = "cpu",
     if spec is None:  # inspect: the statistics pass alone, on torch (its extra counters are torch's)
         memory = estimate_memory(match.base, match.agents, block_size, n_agents=agents)
         return Route("torch", frozenset(), frozenset(), True, False, {j.name: 1 for j in jobs},
-                     {j.name: 0 for j in jobs}, memory, sum(_bytes(match, j, ()) for j in jobs), 0)
+                     {j.name: 0 for j in jobs}, memory, sum(_bytes(match, j, ()) for j in jobs), 0, observed=True)
     observer = spec.observer(p, n, at)
-    kind = _kind(match, spec, p, observer, device=device, extras=extras)
+    kind, family = _kind(match, spec, p, device=device, extras=extras)
     fast = frozenset(j.name for j in jobs if kind != "torch" and eligible(match, j))
-    # an observer (thresholds made in the statistics pass) runs on torch, whatever merges afterwards
-    stats_fast = fast if (observer is None or kind in ("select", "random")) else frozenset()
+    # an observer (thresholds made in the statistics pass) runs on torch, whatever merges afterwards, unless the
+    # family's backend feeds it itself
+    stats_fast = fast if (observer is None or family is not None) else frozenset()
     block = fast_block(match, block_size)
-    whole_model = isinstance(observer, GtaObserver) and observer.preset.prune == "magnitude-global"
-    observed = observer is not None and (kind in ("fused", "torch") or whole_model)  # fed in the statistics pass
+    observed = observer is not None and (family is None or family.observed(observer))  # fed in the statistics pass
     needs = spec.needs_stats(p) or observed
     statistics = (needs or resumed) and not (
         cached is not None and cached.covers(spec, p, observer, jobs, stats_fast, observed=observed))
     stats_reads = {j.name: (_stats_reads(observer, j, j.name in stats_fast) if statistics else 0) for j in jobs}
     step = (lambda j: row_step(j.info.shape, j.numel, block)) if spec.row_blocks(p) else (lambda j: block)
-    merge_reads = {j.name: _merge_reads(kind if j.name in fast else "torch", observer, p, j, block, step(j), cached)
-                   for j in jobs}
+    merge_reads = {j.name: (family.merge_reads(observer, j, block, step(j), cached)
+                            if family is not None and j.name in fast else 1) for j in jobs}
     read_bytes = sum((stats_reads[j.name] + merge_reads[j.name]) * _bytes(match, j, extras) for j in jobs)
     read_bytes += sum(j.info.nbytes for j in match.jobs if j.kind == "copy")
     n_mem = (agents if agents is not None else n) + len(extras)
     if kind == "torch" or len(fast) < len(jobs):
         memory = estimate_memory(match.base, [*match.agents, *extras], block_size, n_agents=n_mem)
     else:
-        mask = max(((n * -(-j.numel // 8)) for j in jobs), default=0) if getattr(p, "rescale", None) == "l1" else 0
         memory = estimate_fast(match, block_size, n_agents=n_mem, rows=spec.row_blocks(p),
-                               mask_bytes=min(mask, MASK_BYTES))
+                               mask_bytes=family.memory(jobs, n) if family is not None else 0)
     return Route(kind, fast, stats_fast, statistics, needs, stats_reads, merge_reads, memory, read_bytes,
-                 match.write_bytes)
+                 match.write_bytes, observed, family)
 
 
-def _kind(match: Match, spec: MethodSpec, p: Any, observer: Any, *, device: str, extras: Sequence[Checkpoint]) -> Kind:
+def _kind(match: Match, spec: MethodSpec, p: Any, *, device: str,
+          extras: Sequence[Checkpoint]) -> tuple[Kind, Capability | None]:
+    """The backend of the numba path, first found: the family's own (every tensor or none), the rule compiled
+    into the fused kernel, else torch."""
     if extras or not enabled(device) or not match.merge_jobs:
-        return "torch"
-    every = all(eligible(match, j) for j in match.merge_jobs)  # a LoRA adapter's τ too: every kernel takes τ
-    preset = spec.sparsify
-    if preset is not None and preset.windowed and getattr(p, "rescale", "none") == "none":
-        return "select" if every and isinstance(observer, GtaObserver) else "torch"
-    if preset is not None and not preset.windowed:
-        return "random" if every else "torch"
+        return "torch", None
+    family = spec.backend(p)
+    if family is not None:
+        every = all(eligible(match, j) for j in match.merge_jobs)  # a LoRA adapter's τ too: every kernel takes τ
+        return (family.kind, family) if every else ("torch", None)
     if (spec.program(p, len(match.agents)) is not None and not spec.row_blocks(p)
             and any(eligible(match, j) for j in match.merge_jobs)):
-        return "fused"
-    return "torch"
+        return "fused", None
+    return "torch", None
 
 
-def _stats_reads(observer: Any, job: Job, numba: bool) -> int:
+def _stats_reads(observer: Observer | None, job: Job, numba: bool) -> int:
     """Streams of ``job`` in the statistics pass: one, and (on torch) as many more as the method's observer asks
     for at most (``streams``: a selection's later rounds)."""
-    streams = getattr(observer, "streams", None)
-    return streams(job.name, job.numel, numba) if streams is not None else 1
-
-
-def _merge_reads(kind: Kind, observer: Any, p: Any, job: Job, block: int, step: int,
-                 cached: CacheView | None) -> int:
-    if kind == "select":
-        return select_reads(observer, job, block, cached)
-    if kind == "random":
-        return random_reads(p, job, step)
-    return 1
+    return observer.streams(job.name, job.numel, numba) if observer is not None else 1
 
 
 def _bytes(match: Match, job: Job, extras: Sequence[Checkpoint]) -> int:

@@ -1,4 +1,5 @@
-"""Merge methods: the public method interface (``spec.py``) and the registry of named methods (``registry.py``).
+"""Merge methods: the public method interface (``spec.py``, ``interface.py``, the rule language ``rule.py``) and the
+registry of named methods (``registry.py``).
 
 Each family is a module (or a folder, with its own kernels and backend) here that lists its declarations in
 ``METHODS``. The names below are resolved on first use (PEP 562): importing ``rlmerge.methods.rule`` or
@@ -12,7 +13,10 @@ from typing import Any
 
 # name → the module that defines it
 _PUBLIC = {"REGISTRY": "registry", "ALIASES": "registry", "get_method": "registry",
-           "MethodSpec": "spec", "BlockContext": "spec", "Scope": "spec", "validate": "spec"}
+           "MethodSpec": "spec", "Parsed": "spec", "validate": "spec", "Run": "spec", "Runner": "spec",
+           "Capability": "spec", "BlockContext": "interface", "Rows": "interface", "Observer": "interface",
+           "Prepared": "interface", "Entries": "interface", "Scope": "interface", "Terms": "rule", "Expr": "rule",
+           "Rule": "rule"}
 
 
 def __getattr__(name: str) -> Any:

@@ -23,11 +23,12 @@ import numpy as np
 
 from .._torch import torch
 from ..params import check_range
-from ..stats import TensorStats
+from ..stats import Statistics, TensorStats
 from ._select import ROUNDS, KthLargest
+from .interface import BlockContext, Observer
 from .ram_beyond import agreeing_mean
 from .rule import Expr, Terms
-from .spec import BlockContext, MethodSpec
+from .spec import MethodSpec
 
 PAPER = "arXiv:2601.13572 (authors' script, merge mode arm-ties)"
 
@@ -44,7 +45,7 @@ class ArmTiesParams:
         check_range("arm-ties", "epsilon", self.epsilon, 0.0, 1.0)
 
 
-class SharedThresholds:
+class SharedThresholds(Observer):
     """The statistics pass's observer: each agent's trimming threshold over each tensor's shared region."""
 
     def __init__(self, params: ArmTiesParams, n: int) -> None:
@@ -111,9 +112,23 @@ def _constants(p: ArmTiesParams, prepared: SharedThresholds, ts: TensorStats | N
     return {"eps": p.epsilon, "scaling": p.scaling, "thr": prepared.thresholds[name]}
 
 
+class ArmTies(MethodSpec):
+    """Per-tensor thresholds from ``SharedThresholds`` in the statistics pass, read by ``arm_ties_rule`` as
+    ``t.agent.thr`` (``_constants``)."""
+
+    def needs_stats(self, p: ArmTiesParams) -> bool:
+        return True
+
+    def observer(self, p: ArmTiesParams, n: int, at: Any = None) -> SharedThresholds:
+        return SharedThresholds(p, n)
+
+    def prepare(self, p: ArmTiesParams, stats: Statistics | None, n: int) -> SharedThresholds:
+        if stats is None or not isinstance(stats.observed, SharedThresholds):
+            raise RuntimeError("arm-ties ran without its statistics pass")
+        return stats.observed
+
+
 METHODS = [
-    MethodSpec("arm-ties", "the RAM authors' arm-ties: unique elements kept, TIES on the shared region per tensor",
-               PAPER, "tensor-local", ArmTiesParams, rule=arm_ties_rule, constants=_constants,
-               needs_stats=lambda p: True, observer=lambda p, n, at=None: SharedThresholds(p, n),
-               prepare=lambda p, stats, n: stats.observed),  # type: ignore[union-attr]
+    ArmTies("arm-ties", "the RAM authors' arm-ties: unique elements kept, TIES on the shared region per tensor",
+            PAPER, "tensor-local", ArmTiesParams, rule=arm_ties_rule, constants=_constants),
 ]

@@ -11,12 +11,14 @@ weights. Elementwise, except ``normalize`` (each F_t divided by its whole-model 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .._torch import torch
 from ..errors import ConfigError
 from ..params import Weights, agent_weights, check_each, check_range
 from ..stats import Statistics
-from .spec import BlockContext, MethodSpec
+from .interface import BlockContext, Observer
+from .spec import MethodSpec
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class FisherParams:
         check_each("fisher", "weight", self.weights, 0.0, 10.0)
 
 
-class FisherNorms:
+class FisherNorms(Observer):
     """Σ F_t² over the whole model, per agent (only with ``normalize``)."""
 
     def __init__(self, n: int) -> None:
@@ -71,11 +73,23 @@ def _merge(base: torch.Tensor, deltas: torch.Tensor, params: FisherParams, ctx: 
     return base + num / den
 
 
+class Fisher(MethodSpec):
+    """The coefficients c_t (``_prepare``: normalised by ``FisherNorms`` from the statistics pass) and the Fisher
+    folders read beside the weights (``extra_inputs``), combined by ``_merge``."""
+
+    def observer(self, p: FisherParams, n: int, at: Any = None) -> FisherNorms | None:
+        return FisherNorms(n) if p.normalize else None
+
+    def prepare(self, p: FisherParams, stats: Statistics | None, n: int) -> torch.Tensor:
+        return _prepare(p, stats, n)
+
+    def extra_inputs(self, p: FisherParams) -> tuple[str, ...]:
+        return p.fisher
+
+
 METHODS = [
-    MethodSpec("fisher", "Fisher merging: average weighted by each agent's diagonal Fisher", "arXiv:2111.09832",
-               "elementwise", FisherParams, _merge, prepare=_prepare,
-               observer=lambda p, n, at=None: FisherNorms(n) if p.normalize else None,
-               extra_inputs=lambda p: p.fisher, epsilon=lambda p: 1e-5),
+    Fisher("fisher", "Fisher merging: average weighted by each agent's diagonal Fisher", "arXiv:2111.09832",
+           "elementwise", FisherParams, _merge),
 ]
 
 __all__ = ["METHODS", "FisherParams"]

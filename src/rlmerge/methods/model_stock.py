@@ -88,9 +88,22 @@ def _check_agents(params: ModelStockParams, n: int) -> None:
 
 
 
+class ModelStock(MethodSpec):
+    """Per tensor, ``stock_rule`` with t from the statistics pass's Gram matrix; ``filter_wise``: ``_merge_rows``,
+    one t per row from row-aligned blocks, no statistics pass."""
+
+    def elementwise(self, p: ModelStockParams) -> bool:
+        return not p.filter_wise
+
+    def needs_stats(self, p: ModelStockParams) -> bool:
+        return not p.filter_wise
+
+    def row_blocks(self, p: ModelStockParams) -> bool:
+        return p.filter_wise
+
+
 METHODS = [
-    MethodSpec("model_stock", "Model Stock: interpolate base → agent average by the agents' mean cosine",
+    ModelStock("model_stock", "Model Stock: interpolate base → agent average by the agents' mean cosine",
                "arXiv:2403.19522", "tensor-local", ModelStockParams, _merge_rows, rule=stock_rule,
-               constants=_constants, elementwise=lambda p: not p.filter_wise, exact_gram=True,
-               needs_stats=lambda p: not p.filter_wise, row_blocks=lambda p: p.filter_wise, check=_check_agents),
+               constants=_constants, checks=_check_agents, exact_gram=True),
 ]

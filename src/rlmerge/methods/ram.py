@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..params import check_range
 from ..stats import Statistics, TensorStats, overlap_ratio
+from .interface import Rows
 from .ram_beyond import MagnitudeSums, magnitude_rho, paper_lambda, sign_elected_mean
 from .rule import Expr, Terms
 from .spec import MethodSpec
@@ -118,20 +119,23 @@ def rescale_factor(params: RamPlusParams, shared: int, unique: int) -> float:
 
 
 @dataclass(frozen=True)
-class Prepared:
+class Lambdas:
+    """What RAM+ prepares from the whole-model counts: λ_t and the ρ_t it came from, per agent."""
+
     lambdas: tuple[float, ...]  # per agent (tensor-local: unused, computed per tensor)
     rho: tuple[float, ...]
     warnings: tuple[str, ...] = ()
 
 
-def prepare_ram_plus(params: RamPlusParams, stats: Statistics | None, n_agents: int) -> Prepared:
-    assert stats is not None  # the engine runs the statistics pass for ram+ (needs_stats)
+def prepare_ram_plus(params: RamPlusParams, stats: Statistics | None, n_agents: int) -> Lambdas:
+    if stats is None:
+        raise RuntimeError("ram+ ran without its statistics pass")
     warnings = stats.identical_agents()
     if params.preset == "magnitude":  # ρ from the observer's exact Σ|τ| (methods/ram_beyond.py)
         rho = magnitude_rho(stats.observed)
-        return Prepared(tuple(paper_lambda(params.r, params.alpha, x) for x in rho), tuple(rho), tuple(warnings))
+        return Lambdas(tuple(paper_lambda(params.r, params.alpha, x) for x in rho), tuple(rho), tuple(warnings))
     lambdas = tuple(rescale_factor(params, int(s), int(u)) for s, u in zip(stats.shared, stats.unique))
-    return Prepared(lambdas, tuple(stats.rho), tuple(warnings))
+    return Lambdas(lambdas, tuple(stats.rho), tuple(warnings))
 
 
 def _counted(t: Terms, extra: Any = None) -> tuple[Expr, Expr, Expr | None]:
@@ -180,10 +184,32 @@ def _ram_constants(p: RamParams, prepared: Any, ts: TensorStats | None, n: int, 
     return {"eps": p.epsilon}
 
 
-def _ram_plus_constants(p: RamPlusParams, prepared: Prepared, ts: TensorStats | None, n: int,
+class RamPlus(MethodSpec):
+    """RAM+: λ_t from the whole model's counts (``prepare``), read by ``ram_plus_rule`` as ``t.agent.lam``
+    (``_constants``), reported per agent (``report``). Preset ``tensor-local`` computes λ per tensor instead;
+    ``magnitude`` takes ρ from its observer's exact Σ|τ|."""
+
+    def needs_stats(self, p: RamPlusParams) -> bool:
+        return True
+
+    def observer(self, p: RamPlusParams, n: int, at: Any = None) -> MagnitudeSums | None:
+        return MagnitudeSums(p.epsilon, n) if p.preset == "magnitude" else None
+
+    def prepare(self, p: RamPlusParams, stats: Statistics | None, n: int) -> Lambdas:
+        return prepare_ram_plus(p, stats, n)
+
+    def per_tensor(self, p: RamPlusParams) -> tuple[str, ...]:
+        return ("r", "alpha") if p.preset == "tensor-local" else ()
+
+    def report(self, p: RamPlusParams, prepared: Any, observer: Any, stats: Statistics) -> Rows:
+        return Rows(lambdas=list(prepared.lambdas), rho=list(prepared.rho), warnings=prepared.warnings)
+
+
+def _ram_plus_constants(p: RamPlusParams, prepared: Lambdas, ts: TensorStats | None, n: int,
                         name: str) -> dict[str, Any]:
     if p.preset == "tensor-local":
-        assert ts is not None  # ram+ always has its statistics pass
+        if ts is None:
+            raise RuntimeError("ram+ tensor-local ran without its statistics pass")
         lam = [rescale_factor(p, int(s), int(u)) for s, u in zip(ts.shared, ts.unique)]
     else:
         lam = list(prepared.lambdas)
@@ -204,15 +230,13 @@ def _check_unique(params: UniqueParams, n: int) -> None:
 METHODS = [
     MethodSpec("ram", "RAM: mean over the agents that changed an element; unique elements kept whole",
                PAPER, "elementwise", RamParams, rule=ram_rule, constants=_ram_constants),
-    MethodSpec("ram+", "RAM+: RAM with each agent's unique elements rescaled by λ from the overlap ratio ρ",
-               PAPER, "global", RamPlusParams, rule=ram_plus_rule, constants=_ram_plus_constants,
-               needs_stats=lambda p: True, prepare=prepare_ram_plus, float32_output=True, unique_scale="lam",
-               per_tensor=lambda p: ("r", "alpha") if p.preset == "tensor-local" else (),
-               observer=lambda p, n, at=None: MagnitudeSums(p.epsilon, n) if p.preset == "magnitude" else None),
+    RamPlus("ram+", "RAM+: RAM with each agent's unique elements rescaled by λ from the overlap ratio ρ",
+            PAPER, "global", RamPlusParams, rule=ram_plus_rule, constants=_ram_plus_constants, float32_output=True,
+            unique_scale="lam"),
     MethodSpec("unique", "base + one agent's unique elements only, at full size or divided by N (paper Fig. 3)",
                PAPER, "elementwise", UniqueParams, rule=unique_rule, constants=_unique_constants,
-               check=_check_unique),
+               checks=_check_unique),
 ]
 
-__all__ = ["METHODS", "PRESETS", "RamParams", "RamPlusParams", "UniqueParams", "ram_plus_rule", "ram_rule",
+__all__ = ["METHODS", "PRESETS", "RamParams", "RamPlus", "RamPlusParams", "UniqueParams", "ram_plus_rule", "ram_rule",
            "rescale_factor"]

@@ -25,13 +25,13 @@ import math
 import numpy as np
 
 from .._torch import torch
+from .interface import BlockContext, Observer
 from .rule import Expr, Terms
-from .spec import BlockContext
 
 _EXPONENTS = 256  # float32 biased exponents; subnormals (0) share the scale of exponent 1
 
 
-class MagnitudeSums:
+class MagnitudeSums(Observer):
     """Statistics-pass observer of preset ``magnitude``: per agent, the exact Σ|τ| over its shared elements and
     over its unique elements (a tied tensor counted twice when the statistics count it twice)."""
 

@@ -19,7 +19,8 @@ from typing import Any, Literal
 from .._torch import torch
 from ..errors import ConfigError
 from ..params import check_range
-from .spec import BlockContext, MethodSpec
+from .interface import BlockContext, Observer
+from .spec import MethodSpec
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def _check_agents(params: SlerpParams, n: int) -> None:
         raise ConfigError("slerp: space = task_vectors needs two agents", hint="use space = weights")
 
 
-class SlerpObserver:
+class SlerpObserver(Observer):
     def __init__(self, params: SlerpParams, n: int, at: Callable[[str], Any] | None = None) -> None:
         _check_agents(params, n)
         self.params = params
@@ -92,9 +93,19 @@ def _merge(base: torch.Tensor, deltas: torch.Tensor, params: SlerpParams, ctx: B
     return base + out if (deltas.shape[0] == 2 and params.space == "task_vectors") else out
 
 
+class Slerp(MethodSpec):
+    """Each tensor's coefficients from ``SlerpObserver``'s sums in the statistics pass, applied by ``_merge``."""
+
+    def observer(self, p: SlerpParams, n: int, at: Callable[[str], Any] | None = None) -> SlerpObserver:
+        return SlerpObserver(p, n, at)
+
+    def prepare(self, p: SlerpParams, stats: Any, n: int) -> SlerpObserver:
+        if stats is None or not isinstance(stats.observed, SlerpObserver):
+            raise RuntimeError("slerp ran without its statistics pass")
+        return stats.observed
+
+
 METHODS = [
-    MethodSpec("slerp", "spherical interpolation between two models, per tensor", "Shoemake 1985 (mergekit slerp)",
-               "tensor-local", SlerpParams, _merge, observer=SlerpObserver, epsilon=lambda p: 1e-5,
-               prepare=lambda p, stats, n: stats.observed,  # type: ignore[union-attr]  # the observer's pass
-               check=_check_agents, per_tensor=lambda p: ("t",)),
+    Slerp("slerp", "spherical interpolation between two models, per tensor", "Shoemake 1985 (mergekit slerp)",
+          "tensor-local", SlerpParams, _merge, checks=_check_agents, varying=("t",)),
 ]

@@ -87,8 +87,8 @@ def _check(where: str) -> Callable[[TaskArithmeticParams | LinearParams, int], N
 METHODS = [
     MethodSpec("task_arithmetic", "base + scaling × the (weighted) sum of task vectors", "arXiv:2212.04089",
                "elementwise", TaskArithmeticParams, rule=ta_rule, constants=_constants("task_arithmetic"),
-               check=_check("task_arithmetic"), per_tensor=lambda p: ("weights", "scaling")),
+               checks=_check("task_arithmetic"), varying=("weights", "scaling")),
     MethodSpec("linear", "weighted average of the agents' weights", "arXiv:2203.05482", "elementwise",
-               LinearParams, rule=linear_rule, constants=_constants("linear"), check=_check("linear"),
-               per_tensor=lambda p: ("weights",), task_vectors=False),
+               LinearParams, rule=linear_rule, constants=_constants("linear"), checks=_check("linear"),
+               varying=("weights",), task_vectors=False),
 ]

@@ -6,8 +6,9 @@ rows. docs/architecture.md has the design; tests/test_fastdare.py and test_fastd
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -18,13 +19,12 @@ from ...stats import TensorStats
 from ...stream.blocks import row_length
 from ...stream.fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
 from ...stream.match import Job
+from ..interface import Entries, Observer
+from ..spec import Run
 from . import kernels
 from .l1 import CHUNK, l1_factors
-from .presets import combine_constants, magprune_epsilon
+from .presets import Preset, Rescale, combine_constants, magprune_epsilon
 from .rng import chunk_seed
-
-if TYPE_CHECKING:
-    from ...engine.backends import Run
 
 RESCALE = {"none": 0, "inverse": 1, "l1": 2}  # _numba_dare.RESCALE_*
 # ``l1``: the keep bits of a tensor, from its L1 sums, are kept for its merge (no second draw and ranking) when
@@ -45,9 +45,34 @@ def pieces(start: int, n: int, threads: int) -> list[tuple[int, int]]:
     return list(zip(cuts, [*cuts[1:], n]))
 
 
-def random_reads(params: Any, job: Job, step: int) -> int:
+def random_reads(rescale: Rescale, job: Job, step: int) -> int:
     """Reads of ``job`` in the merge pass: 2 (L1 sums, merge) for ``l1`` unless it fits in one block."""
-    return 2 if params.rescale == "l1" and job.numel > step else 1
+    return 2 if rescale == "l1" and job.numel > step else 1
+
+
+@dataclass(frozen=True)
+class Random:
+    """This backend as a preset that draws its keep masks declares it to the route (spec.Capability)."""
+
+    name: str  # the method's
+    preset: Preset
+    rescale: Rescale
+    kind: str = "random"
+
+    def observed(self, observer: Observer | None) -> bool:
+        return False  # nothing is gathered over the whole model: L1 sums are taken while merging
+
+    def merge_reads(self, observer: Observer | None, job: Job, block: int, step: int, cache: Entries | None) -> int:
+        return random_reads(self.rescale, job, step)
+
+    def memory(self, jobs: Sequence[Job], n: int) -> int:
+        """A tensor's keep bits, kept from its L1 sums to its merge (``l1``), up to MASK_BYTES."""
+        if self.rescale != "l1":
+            return 0
+        return min(max((n * -(-j.numel // 8) for j in jobs), default=0), MASK_BYTES)
+
+    def open(self, run: Run, stream: FastPath) -> RandomBackend:
+        return RandomBackend(run, stream, self.name, self.preset)
 
 
 class RandomBackend:
@@ -56,9 +81,10 @@ class RandomBackend:
 
     whole_model = False  # nothing is gathered over the whole model before merging
 
-    def __init__(self, run: Run, fast: FastPath) -> None:
+    def __init__(self, run: Run, fast: FastPath, name: str, preset: Preset) -> None:
         n = len(fast.match.agents)
-        preset, params = run.spec.sparsify, run.params
+        params = run.params
+        self.name, self.preset = name, preset
         self.run, self.fast, self.n, self.seed = run, fast, n, run.seed
         self.params = params
         self.stats_args = stats_args(n, run.stats.epsilon)
@@ -69,14 +95,14 @@ class RandomBackend:
         self._bits = np.empty(0, dtype=np.uint8)  # reused by every tensor's keep bits
 
     def reads(self, job: Job) -> int:
-        return random_reads(self.params, job, self.fast.step(job))
+        return random_reads(self.params.rescale, job, self.fast.step(job))
 
     def _constants(self, job: Job) -> None:
         """The tensor's combine constants and keep probability's terms, as gta.prune_block rounds them: density − ε,
         2ε (float32; DARE: ε = 0)."""
         run, n = self.run, self.n
         params = run.params_of(job.name)
-        self.c = combine_constants(run.spec.name, run.spec.sparsify, params, n)
+        self.c = combine_constants(self.name, self.preset, params, n)
         self.key, self.consts = rule_key(self.c.program, tau=True), self.c.program.arrays(self.c.values)
         dens = np.array(per_agent(params.density, n, "gta", "density"), dtype=np.float32)
         eps = np.array(magprune_epsilon(params, n) if self.magprune else (0.0,) * n, dtype=np.float32)

@@ -2,13 +2,15 @@
 
 A tensor that fits in one block is read once (selected in memory); ``ties_global``'s thresholds are its
 statistics pass. The thresholds come from the torch path's ``GtaObserver``, so the bytes are the torch path's.
-With a sweep's cache (engine/cache.py) a tensor whose window is cached is read once, and one whose round-0
+With a sweep's cache (interface.Entries) a tensor whose window is cached is read once, and one whose round-0
 histogram is cached skips that round; what this backend finds is added to the cache.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -18,37 +20,60 @@ from ...stats import TensorStats
 from ...stream.fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
 from ...stream.match import Job
 from .._select import BINS, NO_CUT, ROUNDS, TieCut
+from ..interface import Entries, Observer
+from ..spec import Run
 from . import kernels
 from .observer import GtaObserver
-from .presets import combine_constants
-
-if TYPE_CHECKING:
-    from ...engine.backends import Run
-    from ...engine.cache import CacheView
+from .presets import Preset, combine_constants
 
 
-def select_reads(obs: GtaObserver, job: Job, block: int, cached: CacheView | None = None) -> int:
+@dataclass(frozen=True)
+class Select:
+    """This backend as a selecting preset declares it to the route (spec.Capability)."""
+
+    name: str  # the method's
+    preset: Preset
+    kind: str = "select"
+
+    def observed(self, observer: Observer | None) -> bool:
+        return self.preset.prune == "magnitude-global"  # a whole-model threshold: found in the statistics pass
+
+    def merge_reads(self, observer: Observer | None, job: Job, block: int, step: int, cache: Entries | None) -> int:
+        if not isinstance(observer, GtaObserver):
+            raise TypeError(f"{self.name}: the selecting backend runs with the family's observer")
+        return select_reads(observer, job, block, cache)
+
+    def memory(self, jobs: Sequence[Job], n: int) -> int:
+        return 0  # its histograms are kilobytes
+
+    def open(self, run: Run, stream: FastPath) -> SelectBackend:
+        return SelectBackend(run, stream, self.name, self.preset)
+
+
+def select_reads(obs: GtaObserver, job: Job, block: int, cached: Entries | None = None) -> int:
     """Reads of ``job`` in the merge pass: one per selection round and one to merge, unless it fits in one
     block (then it is read once and selected in memory). A cached window: one read; a cached round-0
     histogram: one round fewer."""
     if not obs.selects(job.name, job.numel) or job.numel <= block:
         return 1
     if cached is not None:  # (a whole-model window is found in the statistics pass, not here)
-        if cached.window(obs, job.name) is not None:
+        if obs.cached_window(cached, job.name) is not None:
             return 1
-        if cached.hist0(job.name) is not None:
+        if cached.get("hist0", "", job.name) is not None:
             return ROUNDS
     return ROUNDS + 1
 
 
 class SelectBackend:
-    """TIES / Breadcrumbs on the numba path (backends.py has the interface)."""
+    """TIES / Breadcrumbs on the numba path (spec.Runner)."""
 
-    def __init__(self, run: Run, fast: FastPath) -> None:
+    def __init__(self, run: Run, fast: FastPath, name: str, preset: Preset) -> None:
         n = len(fast.match.agents)
         observer = run.observer
-        assert isinstance(observer, GtaObserver)  # the route chose this backend for a selecting preset
+        if not isinstance(observer, GtaObserver):
+            raise TypeError(f"{name}: the selecting backend runs with the family's observer")
         self.run, self.fast, self.obs = run, fast, observer
+        self.name, self.preset = name, preset
         observer.stream_cuts = False  # exact k: the ties at a threshold are cut while the tensor is merged
         self.no_cut = np.full(n, NO_CUT, dtype=np.int64)
         self.stats_args = stats_args(n, run.stats.epsilon)
@@ -87,7 +112,7 @@ class SelectBackend:
             counts = self.hist0.sum(axis=(0, 2))  # [N, BINS[0] + 1]: threads and sub-histograms added
             self.hist0[:] = 0
             if name is not None and self.run.cache is not None:
-                self.run.cache.put_hist0(name, counts)
+                self.run.cache.put("hist0", "", name, np.asarray(counts, dtype=np.int64))
         else:
             counts = self.histq.sum(0)[:, :BINS[sel.round]]
             self.histq[:] = 0
@@ -99,17 +124,18 @@ class SelectBackend:
         """The observer's ``again``; a tensor's finished window goes into the cache."""
         more = self.obs.again(name)
         if not more and name is not None and self.run.cache is not None:
-            self.run.cache.put_window(self.obs, name, self.obs.window(name))
+            self.run.cache.put("bounds", self.obs.selection_key(), name,
+                               np.asarray(self.obs.window(name), dtype=np.float32))
         return more
 
     def _cached_round0(self, job: Job) -> bool | None:
         """Round 0 of ``job`` from the cache: None when it holds no histogram, else whether more rounds follow."""
         cached = self.run.cache
-        counts = cached.hist0(job.name) if cached is not None else None
-        if counts is None:
+        counts = cached.get("hist0", "", job.name) if cached is not None else None
+        if cached is None or counts is None:
             return None
-        cached.used("hist0")  # type: ignore[union-attr]
-        self.obs.add_counts(counts, job.numel)
+        cached.used("hist0")
+        self.obs.add_counts(np.asarray(counts, dtype=np.int64), job.numel)
         return self._again(job.name)
 
     # -- the statistics pass (ties_global: both rounds over the whole model; else counts only) -------------
@@ -136,12 +162,12 @@ class SelectBackend:
         """All reads of one job (``reads(job)`` times its blocks): thresholds, then the fused merge."""
         reads = self._reads[job.name]
         own = self.obs.selects(job.name, job.numel)
-        window = None
+        window, cache = None, self.run.cache
         if not self.whole_model:
             self.obs.begin_tensor(job.name, job.numel)  # its ranks and default window
-            window = self.run.cache.window(self.obs, job.name) if own and self.run.cache is not None else None
-        if window is not None:  # selected by an earlier merge of these inputs
-            self.run.cache.used("bounds")  # type: ignore[union-attr]
+            window = self.obs.cached_window(cache, job.name) if own and cache is not None else None
+        if cache is not None and window is not None:  # selected by an earlier merge of these inputs
+            cache.used("bounds")
             self.obs.bounds[job.name] = window
             own = False
         selecting = reads > 1 and self._cached_round0(job) is not False
@@ -169,7 +195,7 @@ class SelectBackend:
                ) -> None:
         keep_lo, keep_hi = (np.ascontiguousarray(r) for r in self.obs.window(job.name))
         run = self.run
-        c = combine_constants(run.spec.name, run.spec.sparsify, run.params_of(job.name), len(run.match.agents))
+        c = combine_constants(self.name, self.preset, run.params_of(job.name), len(run.match.agents))
         cut = np.ascontiguousarray(cut, dtype=np.int64)
         key, (consts, agent_consts) = rule_key(c.program, tau=True), c.program.arrays(c.values)
         self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.select_merge_range(

@@ -8,7 +8,7 @@ seeded per (seed, agent, tensor, chunk).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,7 @@ from ..._torch import torch
 from ...params import per_agent
 from ...stream.blocks import row_length
 from .._select import ROUNDS, KthLargest, TieCut
-from ..spec import BlockContext
+from ..interface import BlockContext, Entries, Observer
 from .l1 import LaneSum, l1_factors
 from .presets import INF, Preset, Prune, magprune_epsilon
 from .rng import row_ranks, uniform
@@ -45,7 +45,7 @@ def _ranks(prune: Prune, numel: int, density: float, gamma: float) -> tuple[int 
     return numel - n_bot, (hi_rank if hi_rank > 1 else None)
 
 
-class GtaObserver:
+class GtaObserver(Observer):
     """Collects what a preset needs from the statistics pass; becomes the method's ``prepared`` constants."""
 
     def __init__(self, preset: Preset, params: Any, n: int, at: Callable[[str], Any] | None = None) -> None:
@@ -228,6 +228,54 @@ class GtaObserver:
     def window(self, name: str) -> np.ndarray:
         """[2, N] float32: keep |τ_t| in [lo_t, hi_t]."""
         return self.bounds[""] if self.preset.prune == "magnitude-global" else self.bounds[name]
+
+    # -- what a statistics cache keeps of it (a sweep's merges of the same inputs; interface.Entries) ------------
+    # ``hist0``: a tensor's round-0 histogram of |τ| (any density); ``bounds``: its window under this selection;
+    # ``kept``: what the trim kept there ("" for a whole-model window)
+    def selection_key(self) -> str:
+        """What a tensor's |τ| window depends on besides the data: the pruning and each agent's density and γ."""
+        return repr((self.preset.prune, tuple(float(d) for d in self.density), tuple(float(g) for g in self.gamma)))
+
+    def cached_window(self, cache: Entries, name: str) -> np.ndarray | None:
+        """[2, N] float32: the cached window of tensor ``name`` ("": the whole model), or None. None for an exact-k
+        selection (TIES' tie_break = index): the window alone does not say which of the values tied at its
+        threshold are kept, so such a selection runs its rounds (from the cached round-0 histogram)."""
+        if self.exact:
+            return None
+        w = cache.get("bounds", self.selection_key(), name)
+        return None if w is None else np.asarray(w, dtype=np.float32)
+
+    @property
+    def _cacheable(self) -> bool:
+        return self.needs_selection and not self.needs_l1
+
+    def reusable(self, cache: Entries, names: Sequence[str]) -> bool:
+        if not self._cacheable:
+            return False  # L1 sums are counted again
+        keys = [""] if self.preset.prune == "magnitude-global" else list(names)
+        return all(self.cached_window(cache, n) is not None for n in keys)
+
+    def reuse(self, cache: Entries, names: Sequence[str]) -> None:
+        for name in ("", *names):
+            w = self.cached_window(cache, name)
+            if w is not None:
+                self.bounds[name] = w
+                cache.used("bounds")
+                k = cache.get("kept", self.selection_key(), name)
+                if k is not None:  # what the trim kept: the merge's `kept` column
+                    self.kept[name] = np.asarray(k, dtype=np.int64)
+
+    def keep(self, cache: Entries) -> None:
+        if self._cacheable:
+            key = self.selection_key()
+            for name, w in self.bounds.items():
+                cache.put("bounds", key, name, np.asarray(w, dtype=np.float32))
+            for name, k in self.kept.items():
+                cache.put("kept", key, name, np.asarray(k, dtype=np.int64))
+
+    def absorb(self, other: Observer) -> None:
+        if isinstance(other, GtaObserver):
+            self.kept.update(other.kept)
 
 
 def _kept(values: np.ndarray, sel: KthLargest, need: np.ndarray | None) -> np.ndarray:
