@@ -14,7 +14,7 @@ from .._torch import torch
 from ..errors import ConfigError, RLMergeError, raise_all
 from ..io.open import open_all
 from ..io.partial import output_problems, write_file
-from ..methods import BlockContext, Observer, Run
+from ..methods import BlockContext, Observer, Run, inspected
 from ..report import Report, build_report, dtype_facts
 from ..stats import Magnitudes, Statistics
 from ..stream.blocks import DEFAULT_BLOCK, BlockReader, device_type
@@ -85,7 +85,7 @@ def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
             statistics_pass(run, chosen, None, TorchBackend(run, BlockReader(match, block_size=block_size,
                                                                             device=device)), progress)
         doc = build_report(stats, dtype_facts(match), base=match.base.label,
-                           warnings=[*match.warnings, *stats.identical_agents()])
+                           warnings=[*match.warnings, *stats.identical_agents()], methods=inspected(stats))
         report = Report(doc, stats)
         if save is not None:
             write_file(save, report.to_json().encode(), force=force, inputs=models)

@@ -16,7 +16,7 @@ from ..io.hub import push, push_problems
 from ..io.partial import PartialDir, fingerprint, input_identity
 from ..io.tokenizer import GENERATION, TEMPLATE_FILES, TOKENIZER_FILES
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
-from ..methods import MethodSpec, Rows, Run
+from ..methods import MethodSpec, Rows, Run, inspected
 from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
 from ..report.card import adapter_lines, model_card
 from ..report.provenance import provenance
@@ -272,7 +272,8 @@ def finish_output(writer: Any, match: Match, result: MergeResult, recipe: Mappin
         result.adapter = writer.summary()
     _side_files(match.base, writer, match, model=result.adapter is None)
     # The statistics this merge already collected feed the report: no extra pass.
-    doc = build_report(result.statistics, dtype_facts(match), base=match.base.label, warnings=result.warnings)
+    doc = build_report(result.statistics, dtype_facts(match), base=match.base.label, warnings=result.warnings,
+                       methods=inspected(result.statistics))
     writer.write_text(REPORT_FILE, to_json(doc))
     card = model_card(match, result, reproduce=again, adapter=result.adapter, extra=adapter_lines(result.adapter))
     writer.write_text("README.md", card + "\n" + to_markdown(doc, level=2))

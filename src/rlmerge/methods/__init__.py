@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 # name → the module that defines it
-_PUBLIC = {"REGISTRY": "registry", "ALIASES": "registry", "get_method": "registry",
+_PUBLIC = {"REGISTRY": "registry", "ALIASES": "registry", "get_method": "registry", "inspected": "registry",
            "MethodSpec": "spec", "Parsed": "spec", "validate": "spec", "Run": "spec", "Runner": "spec",
            "Capability": "spec", "BlockContext": "interface", "Rows": "interface", "Observer": "interface",
            "Prepared": "interface", "Entries": "interface", "Scope": "interface", "Terms": "rule", "Expr": "rule",

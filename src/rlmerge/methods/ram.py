@@ -29,6 +29,7 @@ from .spec import MethodSpec
 Preset = Literal["paper", "paper-soft", "official", "tensor-local", "arm-r", "magnitude", "sign-elect"]
 PAPER = "arXiv:2601.13572"
 
+GLOBAL_PRESETS = ("paper", "paper-soft", "official")  # the presets whose λ is the whole model's (inspect shows them)
 # Which knobs each preset reads, and its defaults (paper Eq. 6; appendix; authors' script; mergekit).
 PRESETS: dict[str, dict[str, float]] = {
     "paper": {"r": 0.1, "alpha": 2.0},
@@ -203,6 +204,30 @@ class RamPlus(MethodSpec):
 
     def report(self, p: RamPlusParams, prepared: Any, observer: Any, stats: Statistics) -> Rows:
         return Rows(lambdas=list(prepared.lambdas), rho=list(prepared.rho), warnings=prepared.warnings)
+
+    def inspect(self, stats: Statistics) -> dict[str, list[Any]]:
+        """Per agent, λ for each whole-model preset with its default knobs at the statistics' ε (``ram_plus``),
+        and tensor-local's λ over the tensors (``ram_plus_tensor_local``): docs/inspect.md."""
+        lam = [{p: rescale_factor(RamPlusParams(preset=p, epsilon=stats.epsilon), int(s), int(u))
+                for p in GLOBAL_PRESETS} for s, u in zip(stats.shared, stats.unique)]
+        return {"ram_plus": lam, "ram_plus_tensor_local": _tensor_local(stats)}
+
+
+def _tensor_local(stats: Statistics) -> list[dict[str, Any]]:
+    """tensor-local λ (mergekit's ramplus_tl): per agent, over the tensors where it has unique elements."""
+    params = RamPlusParams(preset="tensor-local", epsilon=stats.epsilon)
+    out = []
+    for t in range(stats.n_agents):
+        lams, weights = [], []
+        for ts in stats.tensors.values():
+            u = int(ts.unique[t])
+            if u:
+                lams.append(rescale_factor(params, int(ts.shared[t]), u))
+                weights.append(u * ts.weight)
+        eff = float(np.dot(lams, weights) / sum(weights)) if weights else None
+        out.append({"r": params.r, "alpha": params.alpha, "lambda_effective": eff,
+                    "lambda_min": min(lams) if lams else None, "lambda_max": max(lams) if lams else None})
+    return out
 
 
 def _ram_plus_constants(p: RamPlusParams, prepared: Lambdas, ts: TensorStats | None, n: int,

@@ -3,7 +3,10 @@ imports, no registration by side effect)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import ConfigError
+from ..stats import Statistics
 from . import arm_ties, fisher, model_stock, ram, slerp, sparsify, task_arithmetic
 from .spec import MethodSpec
 
@@ -18,6 +21,11 @@ REGISTRY: dict[str, MethodSpec] = _registry()
 ALIASES = {"ramplus": "ram+", "ram_plus": "ram+", "ta": "task_arithmetic", "dare_linear": "dare_ta"}
 
 
+def inspected(stats: Statistics) -> dict[str, list[Any]]:
+    """Every method's ``inspect`` of ``stats``, in the registry's order: the report's per-agent method fields."""
+    return {key: list(values) for spec in REGISTRY.values() for key, values in spec.inspect(stats).items()}
+
+
 def get_method(name: str) -> MethodSpec:
     key = ALIASES.get(name, name)
     if key not in REGISTRY:
@@ -25,4 +33,4 @@ def get_method(name: str) -> MethodSpec:
     return REGISTRY[key]
 
 
-__all__ = ["ALIASES", "REGISTRY", "get_method"]
+__all__ = ["ALIASES", "REGISTRY", "get_method", "inspected"]

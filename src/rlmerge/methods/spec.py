@@ -114,6 +114,12 @@ class MethodSpec:
         (which a family's backend may have fed while merging)."""
         return Rows()
 
+    def inspect(self, stats: Statistics) -> Mapping[str, Sequence[Any]]:
+        """What it would make of these whole-model statistics, per agent, with its default parameters: fields of
+        every agent's row in the report (``rlmerge inspect``, every merge's rlmerge-report.json), under names of
+        its own; RAM+'s λ per preset. None by default."""
+        return {}
+
     def backend(self, p: Any) -> Capability | None:
         """A numba backend of its own (a family's, in its folder), tried first by the route; None: its rule
         compiled (when it has one), else torch."""

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._version import __version__
-from ..methods.ram import RamPlusParams, rescale_factor
 from ..stats import MAG_SHIFT, Magnitudes, Statistics, bin_lower_edge, hist_quantiles
 from .advice import recommend
 
@@ -25,7 +24,6 @@ if TYPE_CHECKING:
 SCHEMA = "rlmerge.report"
 VERSION = 1
 QUANTILES = (0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
-GLOBAL_PRESETS = ("paper", "paper-soft", "official")
 # Mantissa bits of each float dtype: the spacing of representable values at |x| in [2^e, 2^(e+1)) is 2^(e−bits).
 MANTISSA_BITS = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52}
 TORCH_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
@@ -101,15 +99,17 @@ def _ratio(a: float, b: float) -> float | None:
     return float(a) / float(b) if b else None
 
 
-def build_report(stats: Statistics, facts: DtypeFacts | None, *, base: str,
-                 warnings: Iterable[str] = ()) -> dict[str, Any]:
-    """The report document (schema ``rlmerge.report`` version 1) from whole-model statistics."""
+def build_report(stats: Statistics, facts: DtypeFacts | None, *, base: str, warnings: Iterable[str] = (),
+                 methods: Mapping[str, Sequence[Any]] | None = None) -> dict[str, Any]:
+    """The report document (schema ``rlmerge.report`` version 1) from whole-model statistics. ``methods``: what
+    the methods would make of these statistics, per agent (``MethodSpec.inspect``: RAM+'s λ per preset), as
+    they computed it; each key a field of every ``per_agent`` row."""
     thresholds = sorted({stats.epsilon, *stats.thresholds})
     doc: dict[str, Any] = {
         "schema": SCHEMA, "version": VERSION, "rlmerge_version": __version__,
         "base": base, "agents": list(stats.agents), "epsilon": stats.epsilon, "thresholds": thresholds,
         "elements": stats.numel, "tensors": len(stats.tensors), "extras": bool(stats.thresholds),
-        "per_agent": _per_agent(stats, facts, thresholds),
+        "per_agent": _per_agent(stats, facts, thresholds, methods or {}),
         "pairwise": _pairwise(stats),
         "layers": _groups(stats, lambda n: layer_index(n), "layer"),
         "modules": _groups(stats, module_type, "module"),
@@ -120,7 +120,8 @@ def build_report(stats: Statistics, facts: DtypeFacts | None, *, base: str,
     return doc
 
 
-def _per_agent(stats: Statistics, facts: DtypeFacts | None, thresholds: list[float]) -> list[dict[str, Any]]:
+def _per_agent(stats: Statistics, facts: DtypeFacts | None, thresholds: list[float],
+               methods: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     numel, n = stats.numel, stats.n_agents
     kofn = stats.kofn if stats.tensors else np.zeros((n, n + 1), dtype=np.int64)
     changed, unique, shared = stats.changed, stats.unique, stats.shared
@@ -128,7 +129,6 @@ def _per_agent(stats: Statistics, facts: DtypeFacts | None, thresholds: list[flo
     extra = stats.thresholds and stats.tensors
     above = stats._sum("above") if extra else None
     nonzero = stats._sum("nonzero") if extra else None
-    local = _tensor_local(stats)
     rows = []
     for t, label in enumerate(stats.agents):
         c = int(changed[t])
@@ -138,9 +138,7 @@ def _per_agent(stats: Statistics, facts: DtypeFacts | None, thresholds: list[flo
             "kofn": [int(v) for v in kofn[t, 1:]], "kofn_share": [_ratio(int(v), c) for v in kofn[t, 1:]],
             "rho": num(rho[t]), "norm": _g(norms[t]),
             "value_changed": None, "value_changed_density": None, "density_at": None, "magnitude_quantiles": None,
-            "ram_plus": {p: num(rescale_factor(RamPlusParams(preset=p, epsilon=stats.epsilon), int(shared[t]),
-                                               int(unique[t]))) for p in GLOBAL_PRESETS},
-            "ram_plus_tensor_local": local[t],
+            **{key: values[t] for key, values in methods.items()},
             "dtypes": facts.agents[t] if facts else None,
             "dtype_differs_elements": facts.differs[t] if facts else None,
         }
@@ -153,23 +151,6 @@ def _per_agent(stats: Statistics, facts: DtypeFacts | None, thresholds: list[flo
             row["magnitude_quantiles"] = hist_quantiles(stats.magnitudes.tau[t], QUANTILES)
         rows.append(row)
     return rows
-
-
-def _tensor_local(stats: Statistics) -> list[dict[str, Any]]:
-    """tensor-local λ (mergekit's ramplus_tl): per agent, over the tensors where it has unique elements."""
-    params = RamPlusParams(preset="tensor-local", epsilon=stats.epsilon)
-    out = []
-    for t in range(stats.n_agents):
-        lams, weights = [], []
-        for ts in stats.tensors.values():
-            u = int(ts.unique[t])
-            if u:
-                lams.append(rescale_factor(params, int(ts.shared[t]), u))
-                weights.append(u * ts.weight)
-        eff = float(np.dot(lams, weights) / sum(weights)) if weights else None
-        out.append({"r": params.r, "alpha": params.alpha, "lambda_effective": eff,
-                    "lambda_min": min(lams) if lams else None, "lambda_max": max(lams) if lams else None})
-    return out
 
 
 def _pairwise(stats: Statistics) -> dict[str, Any]:
