@@ -1,8 +1,8 @@
 """The shape of the house (docs/architecture.md): data flows one way, and no two modules import each other.
 
-Every ``import`` of an rlmerge module in src/ (at the top of a module or inside a function; not the ones under
-``if TYPE_CHECKING:``, which never run) must go to the same layer or one to its left in ``LAYERS``, and the import
-graph of modules has no cycle.
+Every ``import`` of an rlmerge module in src/ (at the top of a module, inside a function, or under ``if
+TYPE_CHECKING:``, which only type checkers run: a type names a dependency all the same) must go to the same layer or
+one to its left in ``LAYERS``, and the import graph of modules has no cycle.
 """
 
 from __future__ import annotations
@@ -51,24 +51,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
-def imports(path: Path, *, typing: bool = False) -> set[str]:
-    """rlmerge modules imported by the file (absolute names); TYPE_CHECKING blocks left out unless ``typing``."""
+def imports(path: Path) -> set[str]:
+    """rlmerge modules imported by the file (absolute names), TYPE_CHECKING blocks included."""
     mod = module_name(path)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child) and not typing:
-                for sub in child.orelse:
-                    visit(sub)
-                continue
             if isinstance(child, ast.Import):
                 found.update(a.name for a in child.names if a.name.split(".")[0] == "rlmerge")
             elif isinstance(child, ast.ImportFrom):
@@ -91,8 +81,8 @@ def imports(path: Path, *, typing: bool = False) -> set[str]:
     return found
 
 
-def graph(*, typing: bool = False) -> dict[str, set[str]]:
-    return {module_name(p): imports(p, typing=typing) for p in sorted(SRC.rglob("*.py"))}
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports(p) for p in sorted(SRC.rglob("*.py"))}
 
 
 def test_every_import_follows_the_flow() -> None:
@@ -144,7 +134,7 @@ INTERFACE = ("rlmerge.methods", "rlmerge.methods.registry", "rlmerge.methods.spe
 
 
 def test_the_engine_never_imports_a_method_family() -> None:
-    naming = sorted(f"{mod} imports {dep}" for mod, deps in graph(typing=True).items()
+    naming = sorted(f"{mod} imports {dep}" for mod, deps in graph().items()
                     if mod.startswith("rlmerge.engine") for dep in deps
                     if dep.startswith("rlmerge.methods") and dep not in INTERFACE)
     assert not naming, "the engine names a method family:\n" + "\n".join(naming)

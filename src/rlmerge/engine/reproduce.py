@@ -26,15 +26,8 @@ from ..io.writer import DEFAULT_SHARD_SIZE, parse_size
 from ..mergekit_names import METHODS as MERGEKIT
 from ..methods import ALIASES, get_method
 from ..recipe import parse_recipe
+from ..report.card import Reproduce
 from .preflight import Preflight, parse_dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class Reproduce:
-    """How to run this merge again: ``kind`` "recipe" (``text`` is YAML) or "command" (a command line)."""
-
-    kind: str
-    text: str
 
 
 def _plain(value: Any) -> Any:

@@ -2,13 +2,13 @@
 registry of named methods (``registry.py``).
 
 Each family is a module (or a folder, with its own kernels and backend) here that lists its declarations in
-``METHODS``. The names below are resolved on first use (PEP 562): importing ``rlmerge.methods.rule`` or
-``.spec``, as the layers below the families do, does not import every family.
+``METHODS``. The names below are resolved on first use (PEP 562): importing ``rlmerge.methods.rule`` (as kernels/
+and stream/ do) or ``.spec`` and ``.interface`` (as a family does) runs this file, and must not import every
+family, whose backends import the stream.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 # name → the module that defines it
@@ -22,7 +22,10 @@ _PUBLIC = {"REGISTRY": "registry", "ALIASES": "registry", "get_method": "registr
 def __getattr__(name: str) -> Any:
     if name not in _PUBLIC:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+    from . import interface, registry, rule, spec  # on first use (see above)
+
+    module = {"interface": interface, "registry": registry, "rule": rule, "spec": spec}[_PUBLIC[name]]
+    value = globals()[name] = getattr(module, name)
     return value
 
 

@@ -13,18 +13,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .provenance import COLUMN, PERCENT, agent_rows
+from ..stream.match import Match
+from .provenance import COLUMN, PERCENT, Merged, agent_rows
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCardData
 
-    from ..engine.merge import MergeResult
-    from ..engine.reproduce import Reproduce
-    from ..stream.match import Match
-
 HUB = "https://huggingface.co/"
+
+
+@dataclass(frozen=True)
+class Reproduce:
+    """How to run this merge again: ``kind`` "recipe" (``text`` is YAML) or "command" (a command line); engine/
+    reproduce.py makes it, checked by parsing it back."""
+
+    kind: str
+    text: str
 
 
 def hub_ids(match: Match) -> list[str]:
@@ -32,7 +39,7 @@ def hub_ids(match: Match) -> list[str]:
     return list(dict.fromkeys(m.hub_id for m in (match.base, *match.agents) if m.hub_id))
 
 
-def card_data(match: Match, result: MergeResult, *, adapter: bool = False) -> ModelCardData:
+def card_data(match: Match, result: Merged, *, adapter: bool = False) -> ModelCardData:
     from huggingface_hub import ModelCardData  # imported when used: it reads HF_* variables once, at import
 
     tags = ["merge", "rlmerge", result.method, *(["lora", "peft"] if adapter else [])]
@@ -66,7 +73,7 @@ def _tokenizer_lines(match: Match) -> list[str]:
     return [*lines, ""]
 
 
-def _table(result: MergeResult) -> list[str]:
+def _table(result: Merged) -> list[str]:
     rows = agent_rows(result)
     cols = [c for c in ("agent", "density", "kept", "changed", "unique", "shared", "rho", "lambda", "lambda_kept")
             if c in rows[0]]
@@ -96,7 +103,7 @@ def adapter_lines(summary: Mapping[str, Any] | None) -> list[str]:
     return [*lines, ""]
 
 
-def model_card(match: Match, result: MergeResult, *, reproduce: Reproduce | None = None,
+def model_card(match: Match, result: Merged, *, reproduce: Reproduce | None = None,
                adapter: Mapping[str, Any] | None = None, extra: Sequence[str] = ()) -> str:
     """The card's text: metadata, then the body (``extra``: more Markdown before the warnings)."""
     from huggingface_hub import ModelCard

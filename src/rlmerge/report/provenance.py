@@ -7,16 +7,38 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from .._version import __version__
 from ..io.checkpoint import Checkpoint
+from ..stats import Statistics
+from ..stream.match import Match
 from .data import num
 
-if TYPE_CHECKING:
-    from ..engine.merge import MergeResult
-    from ..stream.match import Match
+
+class Merged(Protocol):
+    """What the report reads of a finished merge (engine/merge.MergeResult is one): the method, its parameters, the
+    statistics, its own rows (λ, kept) and what the output dtype kept of its rescale, and what to say about it."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def params(self) -> Any: ...
+    @property
+    def statistics(self) -> Statistics: ...
+    @property
+    def lambdas(self) -> Sequence[float] | None: ...
+    @property
+    def kept(self) -> Sequence[float] | None: ...
+    @property
+    def rescale_kept(self) -> Sequence[float | None] | None: ...
+    @property
+    def warnings(self) -> Sequence[str]: ...
+    @property
+    def per_tensor(self) -> Mapping[str, str]: ...
+    @property
+    def defaults(self) -> Sequence[str]: ...
 
 
 COLUMN = {"rho": "ρ", "lambda": "λ", "lambda_kept": "λ kept"}  # the agent table's headers, where not the key
@@ -43,7 +65,7 @@ def _input(role: str, ckpt: Checkpoint) -> dict[str, Any]:
             "format": ckpt.format, "files": _files(ckpt)}
 
 
-def agent_rows(result: MergeResult) -> list[dict[str, Any]]:
+def agent_rows(result: Merged) -> list[dict[str, Any]]:
     stats = result.statistics
     rows = []
     numel = max(stats.numel, 1)
@@ -62,7 +84,7 @@ def agent_rows(result: MergeResult) -> list[dict[str, Any]]:
     return rows
 
 
-def provenance(match: Match, result: MergeResult, recipe: Mapping[str, Any] | None) -> dict[str, Any]:
+def provenance(match: Match, result: Merged, recipe: Mapping[str, Any] | None) -> dict[str, Any]:
     """``rlmerge.json``'s content (the writer adds the list of files it wrote)."""
     params = dataclasses.asdict(result.params) if dataclasses.is_dataclass(result.params) else {}
     doc = {
