@@ -8,12 +8,12 @@ from typing import Annotated
 
 import typer
 
-from ..methods import REGISTRY
 from ..methods.ram import PRESETS
+from ..methods.registry import load
 from ..sandbox import UNSAFE_FLAG
 
 Models = Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")]
-Method = Annotated[str | None, typer.Option(help=f"{', '.join(REGISTRY)} (docs/methods.md)")]
+Method = Annotated[str | None, typer.Option(help=f"{', '.join(load(strict=False))} (docs/methods.md)")]
 Recipe = Annotated[Path | None, typer.Option(help="YAML recipe (mergekit layout)")]
 Preset = Annotated[str | None, typer.Option(help=f"RAM+: {', '.join(PRESETS)}")]
 R = Annotated[float | None, typer.Option("--r", help="RAM+ strength r (paper: 0.1)")]
