@@ -9,7 +9,10 @@ error that names its file.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -167,3 +170,34 @@ def test_a_missing_plugin_file_and_the_command_line(example, plugins, tmp_path, 
     assert main(["merge", str(base), *map(str, agents), "-o", str(tmp_path / "out"), "--method", "ties"]) == 2
     err = capsys.readouterr().err
     assert "nowhere.py" in err and "is not a file" in err
+
+
+def test_a_plugins_parameters_are_command_line_options(example, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Options come from the parameter dataclasses (params.flag): a plugin's as a built-in's, the same names as
+    before for the built-ins; one whose name the command has already (--dtype) is left to --param."""
+    from rlmerge.cli.options import declared_flags
+
+    assert [f.name for f in declared_flags()] == ["--preset", "--r", "--alpha", "--rescale-factor", "--eps",
+                                                  "--scaling"]
+    (tmp_path / "scaled.py").write_text(textwrap.dedent('''
+        from dataclasses import dataclass, field
+        from rlmerge.methods import MethodSpec
+        from rlmerge.params import flag
+
+        @dataclass(frozen=True)
+        class P:
+            q: float = field(default=1.0, metadata=flag("how much of the first agent"))
+            dtype: str = field(default="x", metadata=flag("a name the command has"))
+
+        METHODS = [MethodSpec("scaled", "base + q τ₀", "none", "elementwise", P,
+                              rule=lambda t, p: t.b + t.x[0] * t.const.q, constants=lambda p, *a: {"q": p.q})]
+    '''))
+    env = {**os.environ, "RLMERGE_PLUGINS": str(tmp_path / "scaled.py"), "COLUMNS": "200"}
+    cli = [sys.executable, "-c", "from rlmerge.cli import entry; entry()"]
+    shown = subprocess.run([*cli, "merge", "--help"], env=env, capture_output=True, text=True, check=True).stdout
+    assert "--q " in shown and "how much of the first agent" in shown and "a name the command has" not in shown
+    base, agents = example
+    out = tmp_path / "out"
+    subprocess.run([*cli, "merge", str(base), str(agents[0]), "-o", str(out), "--method", "scaled", "--q", "0.5",
+                    "--param", "dtype=y", "-q"], env=env, check=True)
+    assert json.loads((out / "rlmerge.json").read_text())["parameters"] == {"q": 0.5, "dtype": "y"}

@@ -18,6 +18,22 @@ import numpy as np
 from .errors import ConfigError, RLMergeError, raise_all
 
 
+def flag(help: str, *, name: str | None = None) -> dict[str, Any]:
+    """A parameter dataclass field's metadata that makes it an option of ``rlmerge merge`` and ``rlmerge plan``:
+    ``--NAME`` (default: the field's name, with ``-`` for ``_``), with ``help``. The command line passes its value
+    as that parameter of whichever method runs; every other parameter is ``--param KEY=VALUE``.
+
+    >>> import dataclasses
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Params:
+    ...     r: float = dataclasses.field(default=0.1, metadata=flag("strength r"))
+    """
+    return {FLAG: {"name": name, "help": help}}
+
+
+FLAG = "rlmerge.flag"  # the key of ``flag``'s entry in a field's metadata
+
+
 def parse_params(cls: type, values: Mapping[str, Any], *, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)

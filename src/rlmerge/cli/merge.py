@@ -78,17 +78,12 @@ def print_notes(req: Request) -> None:
         err.print(f"[yellow]warning:[/] {escape(w)}")
 
 
+@o.method_flags
 def merge_command(
     models: o.Models = None,
     output: Annotated[Path, typer.Option("-o", "--output", help="output folder (refused if it exists)")] = ...,
     method: o.Method = None,
     recipe: o.Recipe = None,
-    preset: o.Preset = None,
-    r: o.R = None,
-    alpha: o.Alpha = None,
-    rescale_factor: o.RescaleFactor = None,
-    eps: o.Eps = None,
-    scaling: o.Scaling = None,
     param: o.Param = None,
     dtype: o.Dtype = None,
     shard_size: o.ShardSize = None,
@@ -119,10 +114,10 @@ def merge_command(
                                                   "energy=0.99 (per matrix, the share of ‖Δ‖² kept)")] = None,
     non_linear: Annotated[str | None, typer.Option(help="--output-format peft: save (changed norms, embeddings and "
                                                         "biases go into modules_to_save, default) or refuse")] = None,
+    flags: dict[str, Any] | None = None,  # the methods' own options (options.method_flags)
 ) -> None:
     """Merge AGENTs (RL fine-tunes of BASE) into one Hugging Face checkpoint (or a LoRA adapter of BASE)."""
-    req = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
-                 rescale_factor=rescale_factor, epsilon=eps, scaling=scaling)
+    req = gather(models, recipe, method, dtype, param, **(flags or {}))
     options = dict(req.options)
     run = {"shard_size": shard_size, "block_size": block_size, "device": device, "seed": seed,
            "tokenizer_source": tokenizer_source, "chat_template": chat_template, "output_format": output_format,

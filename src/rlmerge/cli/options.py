@@ -1,26 +1,26 @@
 """Options that several commands share (`merge` and `plan`; `eval`, `sweep` and `lab`): one declaration, one help
-text."""
+text. A method's own options are generated from its parameter dataclass (``method_flags``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from ..methods.ram import PRESETS
 from ..methods.registry import load
+from ..params import FLAG
 from ..sandbox import UNSAFE_FLAG
 
 Models = Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")]
 Method = Annotated[str | None, typer.Option(help=f"{', '.join(load(strict=False))} (docs/methods.md)")]
 Recipe = Annotated[Path | None, typer.Option(help="YAML recipe (mergekit layout)")]
-Preset = Annotated[str | None, typer.Option(help=f"RAM+: {', '.join(PRESETS)}")]
-R = Annotated[float | None, typer.Option("--r", help="RAM+ strength r (paper: 0.1)")]
-Alpha = Annotated[float | None, typer.Option(help="RAM+ clip α on ρ (paper: 2.0)")]
-RescaleFactor = Annotated[float | None, typer.Option(help="RAM+ official preset's R (1.2)")]
-Eps = Annotated[float | None, typer.Option("--eps", help="changed means |τ| > eps (1e-5)")]
-Scaling = Annotated[float | None, typer.Option(help="task arithmetic λ")]
 Param = Annotated[list[str] | None, typer.Option("--param", help="any method parameter, KEY=VALUE")]
 Dtype = Annotated[str | None, typer.Option(help="output dtype: bfloat16, float16, float32, or base (default: the "
                                                  "base's; float32 for ram+, whose rescale rounds away in bf16)")]
@@ -41,3 +41,69 @@ UnsafeUnisolatedCode = Annotated[bool, typer.Option(
     UNSAFE_FLAG, help="where bubblewrap cannot isolate it, run model-written code (the coding scorer) WITHOUT "
                       "isolation: it can then read and write your files and reach the network. Only for models you "
                       "trust (docs/guarantees.md)")]
+
+
+# -- a method's options, from its parameters --------------------------------------------------------------------
+@dataclass(frozen=True)
+class MethodFlag:
+    """One command-line option a method's parameter declares (``params.flag`` in its field's metadata)."""
+
+    key: str  # the parameter's name, as every method that has it reads it
+    name: str  # the option, e.g. --eps
+    help: str
+    kind: type  # float, int or str: what the option takes (the method's parameters check the rest)
+
+
+def declared_flags() -> list[MethodFlag]:
+    """Every option the registered methods' parameters declare, in the registry's order, each name once (the first
+    declaration's help)."""
+    out: dict[str, MethodFlag] = {}
+    for spec in load(strict=False).values():
+        hints = typing.get_type_hints(spec.params)
+        for f in dataclasses.fields(spec.params):
+            meta = f.metadata.get(FLAG)
+            if meta is None:
+                continue
+            name = meta["name"] or "--" + f.name.replace("_", "-")
+            if name not in out:
+                out[name] = MethodFlag(f.name, name, meta["help"], _kind(hints[f.name]))
+    return list(out.values())
+
+
+def _kind(hint: Any) -> type:
+    """float or int for a number (optional or not), else str (a preset's name, a value the method parses)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_args(hint) else [hint]
+    return args[0] if len(args) == 1 and args[0] in (float, int) else str
+
+
+def method_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """``command`` with an option for each ``declared_flags`` (after its own options up to ``--param``); it gets
+    their values as ``flags``: parameter name → value, for the ones given. A plugin's option whose name one of the
+    command's own options has is left out (its parameter is still ``--param KEY=VALUE``)."""
+    sig = inspect.signature(command, eval_str=True)
+    own = {n for p in sig.parameters.values() for n in _names(p)}
+    flags = [f for f in declared_flags() if f.name not in own]
+    names = {f"flag_{f.key}": f for f in flags}
+    generated = [inspect.Parameter(py, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                   annotation=Annotated[f.kind | None, typer.Option(f.name, help=f.help)])
+                 for py, f in names.items()]
+    before = [p for p in sig.parameters.values() if p.name != "flags"]
+    at = next((i for i, p in enumerate(before) if p.name == "param"), len(before))
+    params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in before]
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> None:
+        given = {names[py].key: kwargs.pop(py) for py in list(kwargs) if py in names}
+        command(*args, flags={k: v for k, v in given.items() if v is not None}, **kwargs)
+
+    run.__signature__ = sig.replace(parameters=[*params[:at], *generated, *params[at:]])  # type: ignore[attr-defined]
+    return run
+
+
+def _names(p: inspect.Parameter) -> list[str]:
+    """The option names a command's parameter declares (its typer.Option's), or --NAME from its name."""
+    info = next((a for a in typing.get_args(p.annotation)[1:] if isinstance(a, typer.models.OptionInfo)), None)
+    decls = [d for d in (getattr(info, "param_decls", None) or ()) if isinstance(d, str)]
+    default = getattr(info, "default", None)
+    return [*decls, *([default] if isinstance(default, str) and default.startswith("-") else []),
+            "--" + p.name.replace("_", "-")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -15,17 +15,12 @@ from .console import err, escape, out
 from .merge import gather, print_notes
 
 
+@o.method_flags
 def plan_command(
     models: o.Models = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="output folder to check")] = None,
     method: o.Method = None,
     recipe: o.Recipe = None,
-    preset: o.Preset = None,
-    r: o.R = None,
-    alpha: o.Alpha = None,
-    rescale_factor: o.RescaleFactor = None,
-    eps: o.Eps = None,
-    scaling: o.Scaling = None,
     param: o.Param = None,
     dtype: o.Dtype = None,
     shard_size: o.ShardSize = None,
@@ -37,10 +32,10 @@ def plan_command(
     force: Annotated[bool, typer.Option(help="the merge will replace an existing output")] = False,
     resume: Annotated[bool, typer.Option(help="the merge will resume an interrupted one")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
+    flags: dict[str, Any] | None = None,  # the methods' own options (options.method_flags)
 ) -> None:
     """Check a merge from headers only (no weight is read): report every problem and what it will cost."""
-    req = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
-                 rescale_factor=rescale_factor, epsilon=eps, scaling=scaling)
+    req = gather(models, recipe, method, dtype, param, **(flags or {}))
     options = {k: v for k, v in req.options.items()
                if k in ("shard_size", "block_size", "tokenizer_source", "chat_template")}
     allow_missing = allow_missing or bool(req.options.get("allow_missing", False))

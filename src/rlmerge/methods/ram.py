@@ -13,13 +13,13 @@ election on the shared elements instead of the mean).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from ..errors import ConfigError
-from ..params import check_range
+from ..params import check_range, flag
 from ..stats import Statistics, TensorStats, overlap_ratio
 from .interface import Rows
 from .ram_beyond import MagnitudeSums, magnitude_rho, paper_lambda, sign_elected_mean
@@ -65,11 +65,11 @@ class RamPlusParams:
     sign-elect:   paper formula; shared elements: TIES sign election, mean of the agreeing agents (beyond)
     """
 
-    preset: Preset = "paper"
-    r: float | None = None
-    alpha: float | None = None
-    rescale_factor: float | None = None
-    epsilon: float = 1e-5
+    preset: Preset = field(default="paper", metadata=flag(f"RAM+: {', '.join(PRESETS)}"))
+    r: float | None = field(default=None, metadata=flag("RAM+ strength r (paper: 0.1)"))
+    alpha: float | None = field(default=None, metadata=flag("RAM+ clip α on ρ (paper: 2.0)"))
+    rescale_factor: float | None = field(default=None, metadata=flag("RAM+ official preset's R (1.2)"))
+    epsilon: float = field(default=1e-5, metadata=flag("changed means |τ| > eps (1e-5)", name="--eps"))
 
     def __post_init__(self) -> None:
         defaults = PRESETS.get(self.preset)

@@ -7,13 +7,13 @@ Both are elementwise and need no statistics pass. Parameter names follow mergeki
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError
-from ..params import Weights, agent_weights, check_each, check_range, weight_sum
+from ..params import Weights, agent_weights, check_each, check_range, flag, weight_sum
 from .rule import Expr, Terms
 from .spec import MethodSpec
 
@@ -22,7 +22,7 @@ from .spec import MethodSpec
 class TaskArithmeticParams:
     """θ = θ₀ + scaling · Σ_t w_t τ_t (divided by Σ w_t when ``normalize``)."""
 
-    scaling: float = 1.0  # the paper's λ; the RAM paper's grid is 0.1 … 1.0
+    scaling: float = field(default=1.0, metadata=flag("task arithmetic λ"))  # the RAM paper's grid: 0.1 … 1.0
     weights: Weights = None
     normalize: bool = False
 
