@@ -34,7 +34,7 @@ def fused_range(program: Program | None, base: Any, agents: tuple[Any, ...], lo:
     float32 (``Program.arrays``); eps float32, the statistics' threshold; out [n] uint16 or float32 (ignored
     without a program). hist [S, 4^N] int64 and gram [N, N] float64 (upper triangle) accumulate the statistics,
     or are both None: then nothing is gathered and no τ is checked (a statistics pass over the same bytes
-    already did). ``exact``: gram from float64 products, for a method that merges with it (model_stock); else
+    already did). ``exact``: gram from float64 products, for a method that merges with it (exact_gram); else
     float32 sums over tiles. ``kept`` [N, 2] int64 (with ``rescaled`` [N] bool; both None without a statistics
     pass's hist): what the written output kept of a rescale of unique elements (engine/survival.py). ``tau``: each
     agent's array holds its τ in float32 instead (stream/fast.py, when an agent is a LoRA adapter). Compiled on

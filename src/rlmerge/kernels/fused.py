@@ -40,8 +40,8 @@ class ProgramKey:
         self.tau = tau
 
 
-# The loop's source comes from this file and codec.py; numba's cache of a kernel that calls it (this file's,
-# select.py's, dare.py's) is keyed by the caller's file only. Both files' hash is part of the key's type, so an
+# The loop's source comes from this file and codec.py; numba's cache of a kernel that calls it (this file's, a
+# family's own kernels') is keyed by the caller's file only. Both files' hash is part of the key's type, so an
 # edited generator or rounding is a new specialisation, never a stale one.
 _STAMP = hashlib.sha256(Path(__file__).read_bytes() + Path(codec.__file__).read_bytes()).hexdigest()[:12]
 
@@ -78,10 +78,11 @@ def tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescale
 {codes}
 {kept}
 '''
-# What the written tile kept of a rescale (engine/survival.py): RAM's value of an element only agent t changed is
-# b + τ_t, RAM+ writes b + λ_t τ_t there. Where λ_t ≠ 1 (rescaled[t]), count such elements (n_t) and those whose
-# written value differs, as a value, from RAM's rounded to the output dtype (k_t). RAM's value is computed as
-# ram_rule does (methods/ram.py): b + (0 + Σ changed τ), which is b + τ_t where only agent t changed the element.
+# What the written tile kept of a rescale of unique elements (engine/survival.py; MethodSpec.unique_scale): the
+# unrescaled value of an element only agent t changed is b + τ_t, the rule writes b + λ_t τ_t there. Where λ_t ≠ 1
+# (rescaled[t]), count such elements (n_t) and those whose written value differs, as a value, from the unrescaled
+# one rounded to the output dtype (k_t). The unrescaled value is the active agents' sum in order,
+# b + (0 + Σ changed τ), which is b + τ_t where only agent t changed the element.
 # Counts are int32 sums per tile (at most 1,024 elements; float32 sums would not vectorise without reassociation).
 _KEPT = '''
 {zeros}
@@ -189,8 +190,8 @@ def source(n: int, key: int, collect: bool, base: str = "uint16", agent: str = "
 
 def rule_tile(base, agents, lo, m, consts, agent_consts, out, tau, code, eps, rescaled, kept, key):  # type: ignore[no-untyped-def]
     """Elements [lo, lo + m) through the program of ``key``: the generated loop (``source``), callable from any
-    kernel. ``agents``: a tuple of N arrays, or with a τ-form key an [N, ≥ lo + m] float32 array (the sparsify
-    kernels' pruned τ, combined by gta.combine_rule)."""
+    kernel. ``agents``: a tuple of N arrays, or with a τ-form key an [N, ≥ lo + m] float32 array (a family's kernel
+    combining the τ it pruned, e.g. methods/sparsify's combine rule)."""
     raise NotImplementedError
 
 
@@ -233,7 +234,8 @@ def _gram32(tau, m, gram):  # type: ignore[no-untyped-def]
 def _gram64(tau, m, gram):  # type: ignore[no-untyped-def]
     """The tile's Gram matrix from float64 products (exact: a product of two float32 is a float64), summed in
     a vectorised order; True if a τ is not finite (a float64 sum of finite float32 squares cannot overflow).
-    For model_stock, which merges with it, and for the rare tile whose float32 sum of squares overflows."""
+    For a method that merges with it (MethodSpec.exact_gram), and for the rare tile whose float32 sum of squares
+    overflows."""
     n_agents = tau.shape[0]
     bad = False
     for a in range(n_agents):
