@@ -12,8 +12,9 @@ Several spaces make the method itself a choice, each with its own parameters (a 
 first picks a space, then that space's parameters (named ``ram+.r``, ``ties.density``: search.py). Every problem of
 every space is reported at once, before any weight is read: the syntax, LO < HI, log ranges above 0, a range on a
 parameter that is not a number, an int range with fractional ends, and each range's ends and each list's values
-given to the method (its own range checks), beside the other parameters' first values. A combination the method
-refuses only together (DELLA's density ± ε) is found when it is sampled: that trial fails (search.py).
+that the method (its own range checks) refuses beside every tested value of the others. A combination the method
+refuses only together (DELLA's density ± ε, a RAM+ knob beside a preset a list offers) is found when it is
+sampled: that trial fails (search.py).
 
     >>> s = parse_space("ram+ r=0.01..0.5:log alpha=0.5..3 preset=paper")
     >>> [(d.key, d.kind) for d in s.dims]
@@ -22,6 +23,7 @@ refuses only together (DELLA's density ± ε) is found when it is sampled: that 
 
 from __future__ import annotations
 
+import itertools
 import math
 import shlex
 import types
@@ -225,23 +227,41 @@ def _range(key: str, text: str, kind: type | None, where: str) -> Dim:
 
 
 def _check_values(space: Space, where: str) -> list[RLMergeError]:
-    """The method's own checks on each range's ends and each list's values, one at a time, beside the other
-    parameters' first values (a fixed value, a list's first, a range's low end): every refusal, each once."""
-    first = space.first()
-    tries = [dict(first)]
-    for d in space.dims:
-        others = (d.hi if d.kind == "float" else int(d.hi),) if d.kind in ("float", "int") else d.values[1:]
-        tries += [{**first, d.key: v} for v in others]
+    """The method's own checks on each value of each parameter (a range's ends, a list's values, a fixed value): a
+    value is refused when the method refuses it beside every tested value of the others (a range's ends and middle,
+    each of a list's values; at most ``CONTEXTS`` combinations), so that a value fine beside some others (DELLA's ε
+    beside a middle density) is tried, and a combination it cannot join fails as its trial (search.py)."""
+    probes = {d.key: _probes(d) for d in space.dims}
     seen: dict[str, RLMergeError] = {}
-    for values in tries:
-        try:
-            c = space.candidate(values)
-            c.id  # noqa: B018 - parses the parameters (the method's range checks)
-        except RLMergeError as e:
-            text = e.render()
-            label = " ".join([space.method, *(f"{k}={_text(v)}" for k, v in values.items())])
-            seen.setdefault(text, ConfigError(f"{where}: {label}: {text}"))
+    for d in space.dims:
+        others = [k for k in probes if k != d.key]
+        contexts = list(itertools.islice(itertools.product(*(probes[k] for k in others)), CONTEXTS))
+        for v in (probes[d.key][0], probes[d.key][-1]) if d.kind == "float" else probes[d.key]:
+            refused: list[tuple[str, RLMergeError]] = []
+            for ctx in contexts:
+                values = {**dict(zip(others, ctx)), d.key: v}
+                try:
+                    space.candidate(values).id  # noqa: B018 - parses the parameters (the method's checks)
+                    break
+                except RLMergeError as e:
+                    refused.append((" ".join([space.method, *(f"{k}={_text(x)}" for k, x in values.items())]), e))
+            else:
+                label, e = refused[0]
+                seen.setdefault(e.render(), ConfigError(f"{where}: {label}: {e.render()}"))
     if not Candidate(space.method).random and any(d.key == "seed" and d.kind != "fixed" for d in space.dims):
         seen["seed"] = ConfigError(f"{where}: {space.method} draws nothing at random, so its seed changes nothing",
                                    hint="search seeds only for dare_ta, dare_ties, della, della_linear")
     return list(seen.values())
+
+
+CONTEXTS = 256  # combinations of the other parameters a value is checked beside
+
+
+def _probes(d: Dim) -> tuple[Any, ...]:
+    """The values a parameter is checked at: a range's ends and middle (ints: rounded), or its values."""
+    if d.kind == "float":
+        mid = math.sqrt(d.lo * d.hi) if d.log else (d.lo + d.hi) / 2
+        return (d.lo, mid, d.hi)
+    if d.kind == "int":
+        return tuple(dict.fromkeys((int(d.lo), (int(d.lo) + int(d.hi)) // 2, int(d.hi))))
+    return d.values
