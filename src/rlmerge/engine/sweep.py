@@ -27,25 +27,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .._version import __version__
-from ..errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
+from ..errors import ConfigError, InputError, RLMergeError, raise_all
 from ..io.sweepdir import SweepDir
 from ..report.sweep import pareto, render_report
-from .blocks import DEFAULT_BLOCK, device_type
+from .blocks import DEFAULT_BLOCK
 from .build import Built, Context, Memory, Scored, Scorer, build_and_score
-from .cache import StatsCache, inputs_key
+from .cache import StatsCache
 from .candidates import Candidate, check, parse_all
 from .merge import check_copies, merge
 from .noise import DRAWS, average_interval, compare
 from .preflight import Preflight, flat, preflight
-from .scores import TaskScore, details_from_json, details_json, make
+from .results import RESULTS, dump, from_record, new_doc, read_confirmed, resumed
+from .scores import TaskScore, details_json
 from .space import Space, parse_spaces
 
 __all__ = ["Built", "NothingScored", "Scored", "Scorer", "SweepResult", "TaskScore", "sweep"]
 Backend = Literal["local", "ray"]
 Search = Literal["grid", "random", "tpe", "cmaes"]
-RESULTS = "results.json"
-SCHEMA = "rlmerge.sweep"
 
 
 @dataclass
@@ -117,7 +115,7 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
 
             init()  # reached (or refused) before the sweep folder is claimed
         about = None if spaces is None else {"kind": search, "seed": seed, "spaces": [sp.text for sp in spaces]}
-        doc = _new_doc(pf, cands if spaces is None else [], settings, options, about)
+        doc = new_doc(pf, cands if spaces is None else [], settings, options, about)
         with contextlib.ExitStack() as stack:
             folder = stack.enter_context(claim(pf.models)) if claim is not None else None
             cache = cache if cache is not None else StatsCache(folder)
@@ -126,8 +124,8 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
             run = _Run(ctx, cache, folder, doc, backend=backend, workers=workers, on_result=on_result)
             if resume and folder is not None:
                 planned = {c.id: c for c in cands}
-                run.scored.update(_resumed(folder, doc, (lambda r: planned.get(r.get("id"))) if spaces is None
-                                           else _from_record, keep_failed=spaces is not None))
+                run.scored.update(resumed(folder, doc, (lambda r: planned.get(r.get("id"))) if spaces is None
+                                          else from_record, keep_failed=spaces is not None))
             if spaces is None:
                 run.order = list(cands)
                 run.evaluate([c for c in cands if c.id not in run.scored], scorer)
@@ -142,10 +140,10 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
                 doc["confirm"] = {"top": confirm_top or keep or CONFIRM_TOP,
                                   "settings": settings_of() if callable(settings_of) else {}}
                 result.confirmed = _confirm(run, result, confirm, doc["confirm"]["top"],
-                                            _read_confirmed(folder, doc) if resume and folder is not None else {})
+                                            read_confirmed(folder, doc) if resume and folder is not None else {})
             if folder is not None:
                 result.kept = _keep(folder, ctx, result, doc, cache, keep, quiet=quiet)
-                folder.write(RESULTS, _dump(doc))
+                folder.write(RESULTS, dump(doc))
                 for name, data in render_report(doc).items():
                     folder.write(name, data)
                 cache.save()
@@ -201,7 +199,7 @@ class _Run:
         if self.study is not None:
             self.doc["trials"] = self.study.to_json()
         if self.folder is not None:
-            self.folder.write(RESULTS, _dump(self.doc))
+            self.folder.write(RESULTS, dump(self.doc))
 
     def record(self, s: Scored) -> None:
         self.scored[s.candidate.id] = s
@@ -304,75 +302,6 @@ def _check(base: Any, agents: Sequence[Any], cands: list[Candidate], options: di
     return first
 
 
-# -- results.json -------------------------------------------------------------------------------------------
-def _new_doc(pf: Preflight, cands: list[Candidate], settings: Mapping[str, Any] | None,
-             options: dict[str, Any], search: dict[str, Any] | None = None) -> dict[str, Any]:
-    assert pf.match is not None and pf.base is not None
-    fixed = {"inputs": inputs_key(pf.match), "settings": dict(settings or {}),
-             "dtype": str(pf.out_dtype) if pf.out_dtype else None, "device": device_type(options["device"]),
-             **({"search": search} if search is not None else {})}  # a grid's fingerprint is what it always was
-    return {"schema": SCHEMA, "version": 1, "rlmerge_version": __version__,
-            "fingerprint": json.dumps(fixed, sort_keys=True, default=str),
-            "base": pf.base.label, "agents": [a.label for a in pf.match.agents],
-            "settings": dict(settings or {}), "planned": [c.to_json() for c in cands], "candidates": [],
-            "examples": {}}  # per-example samples' ids, shared by the candidates scored on them (scores.py)
-
-
-def _dump(doc: dict[str, Any]) -> bytes:
-    return (json.dumps(doc, indent=2, default=str) + "\n").encode()
-
-
-def _resumed(folder: SweepDir, doc: dict[str, Any], lookup: Callable[[dict[str, Any]], Candidate | None], *,
-             keep_failed: bool = False) -> dict[str, Scored]:
-    """The candidates an earlier run of this sweep finished (its results.json), after checking it is this sweep.
-    ``lookup`` finds a record's candidate (None: not this sweep's); a candidate the scorer failed on is scored again,
-    unless ``keep_failed`` (a search: its failed trial was told, and stays failed)."""
-    old = _old_doc(folder)
-    if old is None:
-        return {}
-    if not isinstance(old, dict) or old.get("schema") != SCHEMA or old.get("fingerprint") != doc["fingerprint"]:
-        raise OutputError("the sweep in this folder was run on other inputs or with other scoring settings",
-                          file=str(folder.path / RESULTS),
-                          hint="resume with the same models, tasks and options, or pass --force to start over")
-    examples = old.get("examples") or {}
-    out = {}
-    records = old.get("candidates")
-    for rec in records if isinstance(records, list) else []:
-        c = lookup(rec) if isinstance(rec, dict) else None
-        if c is None or (rec.get("error") is not None and not keep_failed):
-            continue
-        try:
-            details = {k: make(v, task=k, where=RESULTS)
-                       for k, v in details_from_json(dict(rec["scores"]), rec.get("details"), examples).items()}
-            out[c.id] = Scored(c, {k: v.score for k, v in details.items()}, str(rec["where"]),
-                               float(rec["merge_seconds"]), float(rec["score_seconds"]),
-                               [str(p) for p in rec["passes"]], int(rec["read_bytes"]), rec.get("lambdas"), details,
-                               None if rec.get("error") is None else str(rec["error"]))
-        except (AttributeError, KeyError, TypeError, ValueError, RLMergeError):
-            continue  # a record this rlmerge cannot read back (an older one's, or edited): the candidate is redone
-    return out
-
-
-def _old_doc(folder: SweepDir) -> Any:
-    """The results.json an earlier run wrote here, parsed (None: none, or not JSON)."""
-    raw = folder.read(RESULTS)
-    try:
-        return json.loads(raw) if raw is not None else None
-    except ValueError:
-        return None
-
-
-def _from_record(rec: dict[str, Any]) -> Candidate | None:
-    """A search's candidate, rebuilt from its results.json record (None when that is not the id recorded)."""
-    try:
-        params = rec["params"]
-        c = Candidate(str(rec["method"]), tuple((str(k), v) for k, v in params.items()),
-                      int(rec["seed"]) if rec.get("seed") is not None else 0)
-        return c if c.id == rec.get("id") else None
-    except (AttributeError, KeyError, TypeError, ValueError, RLMergeError):
-        return None
-
-
 def _summary(ordered: list[Scored], doc: dict[str, Any], *, output: Path | None) -> SweepResult:
     """Rank: scored candidates by average, then those without scores (no scorer), then those the scorer failed on."""
     scored = [s for s in ordered if s.scores]
@@ -429,29 +358,6 @@ def _confirm(run: _Run, result: SweepResult, scorer: Scorer, top: int,
                                  "merge_seconds": round(c.merge_seconds, 3), "score_seconds": round(c.score_seconds, 3),
                                  **({"error": c.error} if c.error is not None else {})})
     return {s.candidate.id: out[s.candidate.id] for s in best}
-
-
-def _read_confirmed(folder: SweepDir, doc: dict[str, Any]) -> dict[str, Scored]:
-    """An earlier run's confirmed scores (results.json's ``confirmed``, when its sweep and its confirming scorer's
-    settings are this one's), by candidate id; a failed one is scored again."""
-    old = _old_doc(folder)
-    if not isinstance(old, dict) or old.get("fingerprint") != doc["fingerprint"] or \
-            (old.get("confirm") or {}).get("settings") != doc["confirm"]["settings"]:
-        return {}
-    by_id = {r.get("id"): r for r in old.get("candidates") or [] if isinstance(r, dict)}
-    out = {}
-    for rec in old.get("confirmed") or []:
-        try:
-            c = _from_record(by_id[rec["id"]])
-            if c is None or rec.get("error") is not None:
-                continue
-            details = {k: make(v, task=k, where=RESULTS) for k, v in
-                       details_from_json(dict(rec["scores"]), rec.get("details"), old.get("examples") or {}).items()}
-            out[c.id] = Scored(c, {k: v.score for k, v in details.items()}, "memory", float(rec["merge_seconds"]),
-                               float(rec["score_seconds"]), [], 0, None, details)
-        except (AttributeError, KeyError, TypeError, ValueError, RLMergeError):
-            continue
-    return out
 
 
 def _tie(average: float) -> float:
