@@ -11,7 +11,8 @@ task, the seed's val split, float32 merges) and its test split (128 per task) fo
   pick scored on test, then resumed to ``--trials``, its pick scored on test.
 
 Printed: the grid's best validation average, the trial at which TPE's best first reached it (``—``: not within the
-trials), TPE's best validation average after ``BUDGET`` and after ``--trials`` trials, and each pick's test average.
+trials), TPE's best validation average after ``BUDGET`` and after ``--trials`` trials, each pick's test average, and
+how many candidates of each sweep its validation scores cannot tell from its best (engine/noise.py).
 Everything is kept under ``--work`` (one sweep folder per seed, method and search; a rerun resumes them).
 
     PYTHONPATH=src python benchmarks/search_vs_grid.py --work /work/lab-runs/tiny-tpe/bench --trials 36 \\
@@ -111,6 +112,7 @@ def run(seed_dirs: list[Path], work: Path, trials: int) -> list[dict[str, Any]]:
                          "distinct": len(late["candidates"]),
                          "tpe12_val": e_val, "tpe12_test": e_test, "tpe12_pick": e_label,
                          "tpe_val": l_val, "tpe_test": l_test, "tpe_pick": l_label,
+                         "same_grid": len(grid["indistinguishable"]), "same_tpe": len(late["indistinguishable"]),
                          "seconds": {"grid": grid["seconds"], "tpe": early["seconds"] + late["seconds"]}})
             _log(json.dumps(rows[-1]))
     (work / "search_vs_grid.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -128,7 +130,9 @@ def table(rows: list[dict[str, Any]], trials: int) -> str:
                      f"{f(r['tpe_test'])} |")
     lines += ["", "Picks:", ""] + [f"- seed {r['seed']} {r['method']}: grid `{r['grid_pick']}`; TPE @12 "
                                    f"`{r['tpe12_pick']}`; TPE @{trials} `{r['tpe_pick']}` ({r['distinct']} distinct "
-                                   f"candidates in {r['trials']} trials)" for r in rows]
+                                   f"candidates in {r['trials']} trials; indistinguishable from the best on "
+                                   f"validation: {r['same_grid']} of the grid's 12, {r['same_tpe']} of TPE's)"
+                                   for r in rows]
     return "\n".join(lines)
 
 
