@@ -88,12 +88,14 @@ def test_every_bad_value_is_refused_at_once_before_any_weight_is_read(example, t
     for trials in (None, 0, 2.5):
         with pytest.raises(ConfigError, match="--trials"):
             rlmerge.sweep(base, agents, tmp_path / "sw", candidates=["ram+ r=0.01..0.5"], search="tpe",
-                          trials=trials)
+                          trials=trials, scorer=scorer)
     with pytest.raises(ConfigError, match="at least two ranges"):  # CMA-ES adapts a covariance: ≥ 2 dimensions
         rlmerge.sweep(base, agents, tmp_path / "sw", candidates=["ram+ r=0.01..0.5 alpha=1,2"], search="cmaes",
-                      trials=4)
+                      trials=4, scorer=scorer)
     with pytest.raises(ConfigError, match="several --candidate"):
-        rlmerge.sweep(base, agents, tmp_path / "sw", candidates=TWO, search="cmaes", trials=4)
+        rlmerge.sweep(base, agents, tmp_path / "sw", candidates=TWO, search="cmaes", trials=4, scorer=scorer)
+    with pytest.raises(ConfigError, match="nothing scores the candidates"):
+        rlmerge.sweep(base, agents, tmp_path / "sw", candidates=TWO, search="tpe", trials=4)
     assert not (tmp_path / "sw").exists() and scorer.calls == []
 
 
@@ -247,11 +249,14 @@ def test_the_study_is_a_journal_file_the_sweep_folder_proves_its_own(example, tm
 def test_a_search_takes_spaces_not_candidates_and_a_recipe_holds_its_spaces(example, tmp_path: Path) -> None:
     base, agents = example
     with pytest.raises(ConfigError, match="not Candidate objects"):
-        rlmerge.sweep(base, agents, None, candidates=[Candidate("ram+")], search="tpe", trials=2)
+        rlmerge.sweep(base, agents, None, candidates=[Candidate("ram+")], search="tpe", trials=2,
+                      scorer=Near(agents[0]))
     from rlmerge.cli import main
 
+    (tmp_path / "evals.py").write_text("def score(built):\n    return {'t': dict(built.candidate.params)['density']}\n")
     recipe = tmp_path / "sweep.yaml"
     recipe.write_text(f"base_model: {base}\nmodels: [{', '.join(map(str, agents))}]\nsearch: random\ntrials: 3\n"
+                      f"tasks: 'py:{tmp_path / 'evals.py'}:score'\n"
                       "candidates:\n  - method: ties\n    parameters: {density: '0.1..0.9', scaling: [0.5, 1.0]}\n")
     assert main(["sweep", "--recipe", str(recipe), "-o", str(tmp_path / "sw"), "-q"]) == 0
     assert len(results(tmp_path / "sw")["trials"]) == 3

@@ -7,6 +7,10 @@ in memory is built into a state dict (``io.memory.MemoryWriter``) and scored the
 ``candidate-<id>/`` in the sweep folder, scored, and removed. Only the best ``keep`` are written as checkpoints
 (through the normal writer, with provenance). ``backend="ray"`` scores candidates in parallel (distributed.py).
 
+The candidates are a grid's (candidates.py), or a search's trials (``search="tpe"`` …: space.py, search.py), asked
+of Optuna and told their average. After the ranking, the candidates the scores cannot tell from the best are marked
+(noise.py), and ``confirm`` scores the best again on a held-out split.
+
 A scorer is any callable ``scorer(built) -> {task: score}`` (higher is better); a score is a number or a
 ``TaskScore`` (its examples, standard error and per-example results: engine/scores.py, recorded in results.json).
 ``rlmerge.scoring`` makes one from names: the lab's tasks, lm-eval, BFCL, HumanEval, a command, a Python function.
@@ -100,6 +104,9 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     if memory not in ("auto", "always", "never") or backend not in ("local", "ray"):
         problems.append(ConfigError(f"memory = {memory!r}, backend = {backend!r}",
                                     hint="memory: auto, always or never; backend: local or ray"))
+    if spaces is not None and scorer is None:
+        problems.append(ConfigError(f"--search {search}: a search is steered by scores, and nothing scores the "
+                                    "candidates", hint="give --tasks (or scorer=)"))
     if confirm_top is not None and (type(confirm_top) is not int or confirm_top < 1):
         problems.append(ConfigError(f"confirm_top = {confirm_top!r} must be a whole number ≥ 1"))
     options = {"dtype": dtype, "block_size": block_size, "device": device, "allow_missing": allow_missing,
