@@ -108,6 +108,20 @@ def test_the_sweep_records_intervals_and_marks_the_candidates_indistinguishable_
     assert rec["0.5"]["interval"]["low"] < 98.0 < rec["0.5"]["interval"]["high"]
     report = (tmp_path / "sw" / "report.md").read_text()
     assert "## Indistinguishable from the best" in report and report.count(" | = | ") == 2
+    iv = rec["0.5"]["interval"]
+    assert f"| 98.00 | [{iv['low']:.2f}, {iv['high']:.2f}] | = |" in report
+    # plot.png's bars carry the same intervals as error bars (half-width 1.96 standard errors; none where unknown)
+    pytest.importorskip("matplotlib")
+    from matplotlib.container import BarContainer
+
+    from rlmerge.report.sweep import figure
+
+    bars = next(c for c in figure(doc).axes[0].containers if isinstance(c, BarContainer))
+    ranked = [rec[label[i]] for i in doc["ranking"]]
+    widths = [seg[1][0] - seg[0][0] for seg in bars.errorbar.lines[2][0].get_segments()]
+    assert widths == pytest.approx([2 * (c["average"] - c["interval"]["low"]) if c["interval"] else 0.0
+                                    for c in ranked])
+    assert [b.get_hatch() for b in bars] == ["///", "///", None, None]
     # nothing known of the noise: no candidate is marked either way
     plain = rlmerge.sweep(base, agents, None, candidates=["task_arithmetic scaling=0.5,1.0"],
                           scorer=lambda b: {"t": float(dict(b.candidate.params)["scaling"])})
