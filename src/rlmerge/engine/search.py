@@ -234,7 +234,7 @@ def run(study: Study, trials: int, batch: int, *, known: Callable[[str], Any],
     set when the scorer failed), else None; ``evaluate(candidates, done)`` builds and scores them, calling
     ``done(scored)`` as each finishes; ``on_asked`` sees each trial as it is asked (the sweep lists its candidate).
     """
-    pending = study.running()
+    pending = study.running() if study.told < trials else []  # a study already at N is left as it is
     for a in pending:
         on_asked(a)
     while True:
