@@ -202,7 +202,7 @@ class SweepDir:
     def appended(self, name: str) -> Path:
         """A file that another writer appends to here (Optuna's journal), created empty when missing (never through a
         link) and recorded; call ``adopt`` after each complete append."""
-        if name not in self.files:
+        if name not in self.files or not os.path.lexists(self.path / name):  # new, or lost since: started afresh
             with create_file(self.path, name):
                 pass
         self.adopt(name)
