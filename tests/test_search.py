@@ -244,6 +244,14 @@ def test_the_study_is_a_journal_file_the_sweep_folder_proves_its_own(example, tm
                       **{**kw, "candidates": ["ties density=0.05..0.5 scaling=0.5..1.5"]})
     rlmerge.sweep(base, agents, out, scorer=Near(agents[0]), trials=2, force=True, **kw)  # --force starts over
     assert len(results(out)["trials"]) == 2
+    # a journal lost since: the study starts afresh, asks the same trials, and the scored candidates are not redone
+    before = results(out)["trials"]
+    journal.unlink()
+    again = Near(agents[0])
+    rlmerge.sweep(base, agents, out, scorer=again, trials=3, resume=True, **kw)
+    after = results(out)["trials"]
+    assert [t["params"] for t in after[:2]] == [t["params"] for t in before] and len(after) == 3
+    assert again.calls == [after[2]["candidate"]]
 
 
 def test_a_search_takes_spaces_not_candidates_and_a_recipe_holds_its_spaces(example, tmp_path: Path) -> None:
