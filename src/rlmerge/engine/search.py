@@ -31,7 +31,7 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from ..errors import ConfigError, RLMergeError
 from ..io.sweepdir import SweepDir
@@ -46,7 +46,6 @@ except ImportError as e:  # the ``search`` extra is not installed
     raise ConfigError("--search random, tpe and cmaes need Optuna",
                       hint="pip install 'rlmerge[search]' (pinned: optuna==5.0.0, cmaes==0.13.1)") from e
 
-Search = Literal["grid", "random", "tpe", "cmaes"]
 SAMPLERS = ("random", "tpe", "cmaes")
 JOURNAL = "study.journal"
 DIGITS = 6  # significant digits a sampled float keeps
@@ -59,6 +58,11 @@ def check(kind: str, spaces: Sequence[Space], trials: Any) -> list[RLMergeError]
     if type(trials) is not int or trials < 1:
         problems.append(ConfigError(f"--trials {trials!r}: a search runs a whole number ≥ 1 of trials"))
     if kind == "cmaes":
+        try:
+            import cmaes  # noqa: F401 - Optuna's CmaEsSampler imports it only when it first samples
+        except ImportError:
+            problems.append(ConfigError("--search cmaes needs the cmaes package",
+                                        hint="pip install 'rlmerge[search]' (pinned: cmaes==0.13.1)"))
         if len(spaces) > 1:
             problems.append(ConfigError(
                 "--search cmaes samples one method's ranges: with several --candidate (a method choice) Optuna's "
