@@ -8,7 +8,8 @@ task, the seed's val split, float32 merges) and its test split (128 per task) fo
   (``confirm``);
 - **tpe**: ``rlmerge.sweep(search="tpe")`` over the grid's box (the same ends; RAM+'s r and α on a log scale, as its
   grid is spaced), seeded with the lab seed, ``--trials`` in two steps: ``BUDGET`` trials (the grid's budget), its
-  pick scored on test, then resumed to ``--trials``, its pick scored on test.
+  pick scored on test (results.json kept as ``TAG-tpe12.json``), then resumed to ``--trials``, its pick scored on
+  test.
 
 Printed: the grid's best validation average, the trial at which TPE's best first reached it (``—``: not within the
 trials), TPE's best validation average after ``BUDGET`` and after ``--trials`` trials, each pick's test average, and
@@ -89,6 +90,21 @@ def _reached(doc: dict[str, Any], target: float) -> int | None:
     return None
 
 
+def _early(seed_dir: Path, work: Path, tag: str, seed: int, space: dict[str, Any]) -> dict[str, Any]:
+    """The TPE sweep at ``BUDGET`` trials (its pick confirmed then), kept as ``TAG-tpe12.json`` beside the sweep
+    folder: a rerun reads it back, since the folder itself has gone on to more trials."""
+    snap = work / f"{tag}-tpe{BUDGET}.json"
+    if snap.exists():
+        return json.loads(snap.read_text())
+    folder = work / f"{tag}-tpe"
+    if folder.exists() and len(json.loads((folder / "results.json").read_text()).get("trials", [])) > BUDGET:
+        raise SystemExit(f"{folder} holds more than {BUDGET} trials and no {snap.name}: remove the folder")
+    _log(f"{tag}: tpe, {BUDGET} trials")
+    doc = _sweep(seed_dir, folder, seed, [space], search="tpe", trials=BUDGET)
+    snap.write_text(json.dumps(doc) + "\n")
+    return doc
+
+
 def run(seed_dirs: list[Path], work: Path, trials: int) -> list[dict[str, Any]]:
     import torch
 
@@ -100,8 +116,7 @@ def run(seed_dirs: list[Path], work: Path, trials: int) -> list[dict[str, Any]]:
             tag = f"seed{seed}-{label.lower().rstrip('+')}{'plus' if label.endswith('+') else ''}"
             _log(f"{tag}: grid ({BUDGET} points)")
             grid = _sweep(seed_dir, work / f"{tag}-grid", seed, [_grid(label)])
-            _log(f"{tag}: tpe, {BUDGET} trials")
-            early = _sweep(seed_dir, work / f"{tag}-tpe", seed, [space], search="tpe", trials=BUDGET)
+            early = _early(seed_dir, work, tag, seed, space)
             _log(f"{tag}: tpe, resumed to {trials} trials")
             late = _sweep(seed_dir, work / f"{tag}-tpe", seed, [space], search="tpe", trials=trials)
             g_val, g_test, g_label = _pick(grid)
