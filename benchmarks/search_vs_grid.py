@@ -12,8 +12,9 @@ task, the seed's val split, float32 merges) and its test split (128 per task) fo
   test.
 
 Printed: the grid's best validation average, the trial at which TPE's best first reached it (``—``: not within the
-trials), TPE's best validation average after ``BUDGET`` and after ``--trials`` trials, each pick's test average, and
-how many candidates of each sweep its validation scores cannot tell from its best (engine/noise.py).
+trials), TPE's best validation average after ``BUDGET`` and after ``--trials`` trials, each pick's test average, the
+paired bootstrap interval of (TPE's final pick − the grid's pick) on test, and how many candidates of each sweep its
+validation scores cannot tell from its best (engine/noise.py).
 Everything is kept under ``--work`` (one sweep folder per seed, method and search; a rerun resumes them).
 
     PYTHONPATH=src python benchmarks/search_vs_grid.py --work /work/lab-runs/tiny-tpe/bench --trials 36 \\
@@ -78,6 +79,20 @@ def _pick(doc: dict[str, Any]) -> tuple[float, float | None, str]:
     return best["average"], test["average"], best["label"]
 
 
+def _test_difference(a: dict[str, Any], b: dict[str, Any], seed: int) -> tuple[float, float, float]:
+    """(difference, low, high): the paired bootstrap (engine/noise.py) of a's pick − b's pick on the test split,
+    from each pick's confirmed per-example results (the same test examples: paired)."""
+    from rlmerge.engine.noise import paired_bootstrap
+    from rlmerge.engine.scores import details_from_json
+
+    def samples(doc: dict[str, Any]) -> dict[str, list[float]]:
+        rec = next(r for r in doc["confirmed"] if r["id"] == doc["ranking"][0])
+        got = details_from_json(rec["scores"], rec["details"], doc["examples"])
+        return {t: list(s.samples or ()) for t, s in got.items()}
+
+    return paired_bootstrap(samples(a), [samples(b)], seed=seed)[0]
+
+
 def _reached(doc: dict[str, Any], target: float) -> int | None:
     """The trial (1-based) at which the best validation average first reached ``target`` (to 12 significant digits,
     as the ranking compares averages), or None."""
@@ -128,6 +143,7 @@ def run(seed_dirs: list[Path], work: Path, trials: int) -> list[dict[str, Any]]:
                          "tpe12_val": e_val, "tpe12_test": e_test, "tpe12_pick": e_label,
                          "tpe_val": l_val, "tpe_test": l_test, "tpe_pick": l_label,
                          "same_grid": len(grid["indistinguishable"]), "same_tpe": len(late["indistinguishable"]),
+                         "test_gap": _test_difference(late, grid, seed),
                          "seconds": {"grid": grid["seconds"], "tpe": early["seconds"] + late["seconds"]}})
             _log(json.dumps(rows[-1]))
     (work / "search_vs_grid.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -137,12 +153,14 @@ def run(seed_dirs: list[Path], work: Path, trials: int) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]], trials: int) -> str:
     f = "{:.1f}".format
     lines = [f"| seed | method | grid: best val (12 evals) | TPE reached it at trial | TPE best val @12 | "
-             f"TPE best val @{trials} | test: grid pick | test: TPE pick @12 | test: TPE pick @{trials} |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"TPE best val @{trials} | test: grid pick | test: TPE pick @12 | test: TPE pick @{trials} | "
+             f"test: TPE @{trials} − grid [95 %] |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        d, lo, hi = r["test_gap"]
         lines.append(f"| {r['seed']} | {r['method']} | {f(r['grid_val'])} | {r['reached'] or '—'} | "
                      f"{f(r['tpe12_val'])} | {f(r['tpe_val'])} | {f(r['grid_test'])} | {f(r['tpe12_test'])} | "
-                     f"{f(r['tpe_test'])} |")
+                     f"{f(r['tpe_test'])} | {d:+.1f} [{lo:+.1f}, {hi:+.1f}] |")
     lines += ["", "Picks:", ""] + [f"- seed {r['seed']} {r['method']}: grid `{r['grid_pick']}`; TPE @12 "
                                    f"`{r['tpe12_pick']}`; TPE @{trials} `{r['tpe_pick']}` ({r['distinct']} distinct "
                                    f"candidates in {r['trials']} trials; indistinguishable from the best on "
