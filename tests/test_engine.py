@@ -89,7 +89,7 @@ def test_output_dtype_and_side_files(example, tmp_path: Path) -> None:
     assert [a["lambda"] for a in prov["agents"]] == res.lambdas
     assert len(prov["inputs"]) == 4 and all(len(i["files"][0]["header_sha256"]) == 64 for i in prov["inputs"])
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nbase_model: ") and "- merge\n- rlmerge\n" in card
+    assert card.startswith("---\nlibrary_name: transformers\ntags:\n- merge\n- rlmerge\n- ram+\n---\n")
     assert f"{res.lambdas[0]:.4f}" in card
     assert not list(tmp_path.glob(".*rlmerge-partial"))
 

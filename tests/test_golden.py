@@ -21,7 +21,8 @@ compile for haswell on every x86-64 machine with AVX2.
 
 After a change that is MEANT to change output bytes, regenerate (and say why in the commit):
 
-    .venv/bin/python tests/test_golden.py            # rewrites tests/golden/outputs.json
+    NUMBA_CPU_NAME=haswell .venv/bin/python tests/test_golden.py   # rewrites tests/golden/outputs.json
+    (haswell: the target the recorded fused-path reports were compiled for; a CPU's own target may differ there)
     .venv/bin/python tests/test_golden.py OTHER.json  # writes elsewhere (e.g. to compare two runs)
 """
 

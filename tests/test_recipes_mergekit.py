@@ -126,8 +126,9 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
         ours, message, warnings = root / f"rl-{name}", "", []
         try:
             req = gather(None, resolved, None, None, None)
+            tokenizer = {k: v for k, v in req.options.items() if k in ("tokenizer_source", "chat_template")}
             res = merge(req.base, req.agents, ours, method=req.method, params=req.params, dtype=req.dtype,
-                        recipe=req.raw, defaults=req.defaults, notes=req.warnings, seed=1, fsync=False)
+                        recipe=req.raw, defaults=req.defaults, notes=req.warnings, seed=1, fsync=False, **tokenizer)
             warnings = res.warnings
         except RLMergeError as e:
             message = e.render()

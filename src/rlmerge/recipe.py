@@ -9,6 +9,8 @@
     parameters: {preset: paper, r: 0.1}
     dtype: bfloat16
     options: {shard_size: 5GB, allow_missing: false}   # rlmerge's own run options
+    tokenizer_source: union          # mergekit's: base, union or a model (or tokenizer: {source: …})
+    chat_template: base              # mergekit's: auto, a model, or the template's text; rlmerge: also a file
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ from .errors import ConfigError, ProblemsError, RLMergeError, raise_all
 from .mergekit_names import METHODS, NOT_SUPPORTED, translate
 from .params import parse_params
 
-TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "options", "tokenizer_source"}
+TOP_KEYS = {"merge_method", "base_model", "models", "parameters", "dtype", "out_dtype", "options", "tokenizer_source",
+            "tokenizer", "chat_template"}
 MODEL_KEYS = {"model", "parameters"}
 # mergekit keys rlmerge does not take, and why (docs/methods.md, "Not supported, and why")
 MERGEKIT_ONLY = {
     "slices": "slices (layer ranges from several models, layer stacking) are not supported: rlmerge merges whole "
               "fine-tunes of one base, tensor by tensor; list them under models:",
     "modules": "modules (per-module recipes of multi-module models) are not supported; list the models under models:",
-    "tokenizer": "tokenizer: (a merged or extended vocabulary) is not supported: rlmerge keeps the base's tokenizer",
-    "chat_template": "chat_template is not supported: rlmerge copies the base's tokenizer and chat template",
 }
+# mergekit's tokenizer: block; rlmerge takes its source (mergekit's default there: union)
+TOKENIZER_KEYS = {"source": "union", "tokens": None, "pad_to_multiple_of": None}
 
 
 @dataclass(frozen=True)
@@ -133,9 +136,7 @@ def parse_recipe(doc: Any, *, where: str = "recipe", methods: Collection[str] | 
         base = listed[0]
     if not isinstance(base, str) and known and not (isinstance(method, str) and method in NOT_SUPPORTED):
         bad("base_model is missing or not a string (a folder or a hub id)")
-    if doc.get("tokenizer_source", "base") != "base":
-        bad(f"tokenizer_source {doc['tokenizer_source']!r} is not supported",
-            hint="rlmerge keeps the base's tokenizer: use tokenizer_source: base")
+    tokenizer = _tokenizer_keys(doc, base, bad)
     agents: list[str] = []
     per_model: list[dict[str, Any]] = []
     if (not isinstance(models, list) or not models) and "slices" not in doc and "modules" not in doc:
@@ -190,5 +191,35 @@ def parse_recipe(doc: Any, *, where: str = "recipe", methods: Collection[str] | 
         dtype = "base"
         tr.defaults.append("dtype = the base's (mergekit's default: it writes the models' own dtype)")
     raise_all(problems)
+    typed.update(tokenizer)
     return Recipe(str(method), str(base), agents, params, None if dtype is None else str(dtype), typed, raw=doc,
                   defaults=tr.defaults, warnings=tr.warnings)
+
+
+def _tokenizer_keys(doc: dict[Any, Any], base: Any, bad: Any) -> dict[str, str]:
+    """mergekit's ``tokenizer_source`` (or ``tokenizer: {source: …}``) and ``chat_template``, as run options; the
+    base's path means ``base``."""
+    out: dict[str, str] = {}
+    source = doc.get("tokenizer_source")
+    block = doc.get("tokenizer")
+    if block is not None:
+        if not isinstance(block, dict):
+            bad("tokenizer must be a mapping (mergekit's: {source: base | union | MODEL})")
+            block = {}
+        for key in _unknown(block, set(TOKENIZER_KEYS)):
+            bad(f"tokenizer: unsupported key {key!r}", hint="rlmerge takes tokenizer: {source: …}")
+        for key in ("tokens", "pad_to_multiple_of"):
+            if block.get(key) is not None:
+                bad(f"tokenizer.{key} is not supported: rlmerge builds the vocabulary from the models' tokenizers "
+                    "and keeps the base's row count", hint="drop it; docs/shipping.md says what union does")
+        if source is not None:
+            bad("give tokenizer_source or tokenizer: {source: …}, not both")
+        source = block.get("source", TOKENIZER_KEYS["source"])
+    for key, value in (("tokenizer_source", source), ("chat_template", doc.get("chat_template"))):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            bad(f"{key} must be a string (base, union, auto, a model as listed, …), not {value!r}"[:200])
+            continue
+        out[key] = "base" if value == base else value
+    return out

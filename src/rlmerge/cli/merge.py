@@ -101,6 +101,8 @@ def merge_command(
                                               "leave it to the OS, as transformers and mergekit do)")] = True,
     allow_missing: o.AllowMissing = False,
     count_tied_twice: o.CountTiedTwice = False,
+    tokenizer_source: o.TokenizerSource = None,
+    chat_template: o.ChatTemplate = None,
     seed: Annotated[int | None, typer.Option(help="seed for random methods")] = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no progress bars or tables")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the result as JSON on stdout")] = False,
@@ -108,12 +110,23 @@ def merge_command(
                                                      "the same bytes (pip install 'rlmerge[ray]'; docs/scale.md)"))]
     = "local",
     workers: Annotated[int | None, typer.Option(min=1, help="--backend ray: tasks at once")] = None,
+    push_to_hub: o.PushToHub = None,
+    private: o.Private = False,
+    revision: o.Revision = None,
+    output_format: Annotated[str | None, typer.Option(help="hf (a full model, default) or peft (the merged task "
+                                                           "vector as a LoRA adapter of the base)")] = None,
+    rank: Annotated[str | None, typer.Option(help="--output-format peft: the LoRA rank, R, full (exact) or "
+                                                  "energy=0.99 (per matrix, the share of ‖Δ‖² kept)")] = None,
+    non_linear: Annotated[str | None, typer.Option(help="--output-format peft: save (changed norms, embeddings and "
+                                                        "biases go into modules_to_save, default) or refuse")] = None,
 ) -> None:
-    """Merge AGENTs (RL fine-tunes of BASE) into one Hugging Face checkpoint."""
+    """Merge AGENTs (RL fine-tunes of BASE) into one Hugging Face checkpoint (or a LoRA adapter of BASE)."""
     req = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
                  rescale_factor=rescale_factor, epsilon=eps, scaling=scaling)
     options = dict(req.options)
-    run = {"shard_size": shard_size, "block_size": block_size, "device": device, "seed": seed}
+    run = {"shard_size": shard_size, "block_size": block_size, "device": device, "seed": seed,
+           "tokenizer_source": tokenizer_source, "chat_template": chat_template, "output_format": output_format,
+           "rank": rank, "non_linear": non_linear}
     options.update({k: v for k, v in run.items() if v is not None})
     options["allow_missing"] = allow_missing or options.get("allow_missing", False)
     options["count_tied_twice"] = count_tied_twice or options.get("count_tied_twice", False)
@@ -121,6 +134,10 @@ def merge_command(
         print_notes(req)
     run_merge = merge
     if backend == "ray":
+        local_only = [k for k in ("tokenizer_source", "chat_template", "output_format") if options.get(k) is not None]
+        local_only += ["push_to_hub"] if push_to_hub else []
+        if local_only:
+            raise ConfigError(f"{local_only[0]} runs on the local backend only", hint="merge without --backend ray")
         from ..engine.distributed import merge_on_ray  # Ray is imported only here
 
         run_merge = functools.partial(merge_on_ray, workers=workers)
@@ -128,7 +145,8 @@ def merge_command(
         raise ConfigError(f"--backend {backend!r}", hint="local or ray")
     res = run_merge(req.base, req.agents, output, method=req.method, params=req.params, dtype=req.dtype, force=force,
                     quiet=quiet or json_out, recipe=req.raw, resume=resume, fsync=fsync, defaults=req.defaults,
-                    notes=req.warnings, **options)
+                    notes=req.warnings, **options, **({"push_to_hub": push_to_hub, "private": private,
+                                                      "revision": revision} if push_to_hub else {}))
     for w in res.warnings:
         if w not in req.warnings:  # said before the merge
             err.print(f"[yellow]warning:[/] {escape(w)}")
@@ -136,6 +154,14 @@ def merge_command(
         out.print_json(json.dumps(result_json(res)))
     elif not quiet:
         print_result(res)
+    if res.adapter is not None and not (quiet or json_out):
+        mats = res.adapter["matrices"]
+        ranks = [m["rank"] for m in mats.values()]
+        out.print(f"LoRA adapter: {len(mats)} matrices, rank {min(ranks, default=0)}–{max(ranks, default=0)} "
+                  f"(--rank {res.adapter['rank']}), largest relative error {res.adapter['max_relative_error']:.3g}; "
+                  f"saved whole: {', '.join(res.adapter['modules_to_save']) or 'none'}")
+    if res.url is not None and not json_out:
+        out.print(f"pushed to [bold]{res.url}[/]")
 
 
 def result_json(res: MergeResult) -> dict[str, Any]:
@@ -144,7 +170,8 @@ def result_json(res: MergeResult) -> dict[str, Any]:
     return {"output": str(res.output), "method": res.method, "agents": agent_rows(res),
             "seconds": round(res.seconds, 3), "read_bytes": res.read_bytes, "write_bytes": res.write_bytes,
             "merged_dtypes": res.merged_dtypes, "warnings": res.warnings,
-            **({"defaults": res.defaults} if res.defaults else {})}
+            **({"defaults": res.defaults} if res.defaults else {}), **({"url": res.url} if res.url else {}),
+            **({"adapter": res.adapter} if res.adapter else {})}
 
 
 def print_result(res: MergeResult) -> None:

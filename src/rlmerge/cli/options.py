@@ -28,6 +28,15 @@ ShardSize = Annotated[str | None, typer.Option(help="max shard size, e.g. 5GB")]
 BlockSize = Annotated[int | None, typer.Option(help="elements per block (memory bound)")]
 AllowMissing = Annotated[bool, typer.Option(help="an agent missing a tensor counts as unchanged")]
 CountTiedTwice = Annotated[bool, typer.Option(help="count tied embeddings twice, as the authors' script")]
+TokenizerSource = Annotated[str | None, typer.Option(help="the output's tokenizer, as mergekit's tokenizer_source: "
+                                                         "base (rows mapped by token), union (every model's tokens) "
+                                                         "or an AGENT (default: the base's, rows as stored)")]
+ChatTemplate = Annotated[str | None, typer.Option(help="the output's chat template: base (default), auto (the one "
+                                                       "most models share), an AGENT, a .jinja FILE, or its text")]
+PushToHub = Annotated[str | None, typer.Option(help="upload the finished output to this Hub repository (ORG/NAME): "
+                                                    "checked before any weight is read, pushed once complete")]
+Private = Annotated[bool, typer.Option(help="--push-to-hub: create the repository private")]
+Revision = Annotated[str | None, typer.Option(help="--push-to-hub: the branch to commit to (created if needed)")]
 UnsafeUnisolatedCode = Annotated[bool, typer.Option(
     UNSAFE_FLAG, help="where bubblewrap cannot isolate it, run model-written code (the coding scorer) WITHOUT "
                       "isolation: it can then read and write your files and reach the network. Only for models you "

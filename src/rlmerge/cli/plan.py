@@ -32,6 +32,8 @@ def plan_command(
     block_size: o.BlockSize = None,
     allow_missing: o.AllowMissing = False,
     count_tied_twice: o.CountTiedTwice = False,
+    tokenizer_source: o.TokenizerSource = None,
+    chat_template: o.ChatTemplate = None,
     force: Annotated[bool, typer.Option(help="the merge will replace an existing output")] = False,
     resume: Annotated[bool, typer.Option(help="the merge will resume an interrupted one")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
@@ -39,10 +41,13 @@ def plan_command(
     """Check a merge from headers only (no weight is read): report every problem and what it will cost."""
     req = gather(models, recipe, method, dtype, param, preset=preset, r=r, alpha=alpha,
                  rescale_factor=rescale_factor, epsilon=eps, scaling=scaling)
-    options = {k: v for k, v in req.options.items() if k in ("shard_size", "block_size")}
+    options = {k: v for k, v in req.options.items()
+               if k in ("shard_size", "block_size", "tokenizer_source", "chat_template")}
     allow_missing = allow_missing or bool(req.options.get("allow_missing", False))
     count_tied_twice = count_tied_twice or bool(req.options.get("count_tied_twice", False))
-    options.update({k: v for k, v in {"shard_size": shard_size, "block_size": block_size}.items() if v is not None})
+    options.update({k: v for k, v in {"shard_size": shard_size, "block_size": block_size,
+                                      "tokenizer_source": tokenizer_source, "chat_template": chat_template}.items()
+                    if v is not None})
     report = dry_run(req.base, req.agents, output, method=req.method, params=req.params, dtype=req.dtype,
                      allow_missing=allow_missing, count_tied_twice=count_tied_twice, force=force, resume=resume,
                      **options)
@@ -70,6 +75,11 @@ def print_report(r: DryRun) -> None:
         merged = len(r.match.merge_jobs)
         out.print(f"method {escape(r.method)}: {len(r.match.jobs)} tensors ({merged} merged, "
                   f"{len(r.match.jobs) - merged} copied), {len(r.match.agents)} agents")
+        if r.tokenizer is not None:
+            added = r.tokenizer.added
+            rows = r.tokenizer.vocab_size or "the base's"
+            out.print(f"tokenizer: {r.tokenizer.source}; chat template: {r.tokenizer.chat_template}"
+                      + (f"; {len(added)} token(s) added, {rows} rows" if added else ""))
         out.print(f"passes: {' + '.join(r.passes)}; read {_size(r.read_bytes)}, write {_size(r.write_bytes)} "
                   f"in {r.shards} shard(s), merged tensors as {'/'.join(r.match.merged_dtypes)}")
     if r.memory is not None:

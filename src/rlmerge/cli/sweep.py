@@ -73,6 +73,9 @@ def sweep_command(
     cmd_cwd: Annotated[Path | None, typer.Option(help="a cmd: scorer's working folder (default: this one)")] = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no live table")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print results.json's ranking as JSON")] = False,
+    push_to_hub: o.PushToHub = None,
+    private: o.Private = False,
+    revision: o.Revision = None,
     unsafe_unisolated_code: o.UnsafeUnisolatedCode = False,
 ) -> None:
     """Merge every candidate of BASE and AGENTs, score each on --tasks, rank them, keep the best."""
@@ -116,8 +119,8 @@ def sweep_command(
                     count_tied_twice=s.get("count_tied_twice", False),
                     settings=scorer.settings() if scorer is not None else {},
                     on_result=table.add, quiet=quiet or json_out, search=s.get("search", "grid"),
-                    trials=s.get("trials"), confirm=held_out,
-                    **({"block_size": s["block_size"]} if s.get("block_size") else {}))
+                    trials=s.get("trials"), confirm=held_out, push_to_hub=push_to_hub, private=private,
+                    revision=revision, **({"block_size": s["block_size"]} if s.get("block_size") else {}))
     _warn_failures(res)
     if json_out:
         out.print_json(json.dumps(_summary(res)))
@@ -195,7 +198,7 @@ def _summary(res: SweepResult) -> dict[str, Any]:
             "indistinguishable": [s.candidate.id for s in res.indistinguishable],
             "confirmed": {cid: {"scores": c.scores, "average": c.average, **({"error": c.error} if c.error else {})}
                           for cid, c in res.confirmed.items()},
-            "statistics_passes": res.statistics_passes, "merge_passes": res.merge_passes,
+            "statistics_passes": res.statistics_passes, "merge_passes": res.merge_passes, "url": res.url,
             "seconds": round(res.seconds, 3)}
 
 
@@ -214,6 +217,8 @@ def _print_summary(res: SweepResult) -> None:
         out.print(f"confirmed {escape(s.candidate.label)}: search {s.average:.2f}, held out {escape(said)}")
     for p in res.kept:
         out.print(f"kept [bold]{escape(str(p))}[/]")
+    if res.url is not None:
+        out.print(f"pushed {escape(str(res.kept[0]))} to [bold]{escape(res.url)}[/]")
     if res.output is not None:
         out.print(f"wrote {res.output / 'results.json'} and {res.output / 'report.md'}", markup=False)
 

@@ -50,6 +50,7 @@ from .merge import (
 from .passes import merge_pass
 from .preflight import Preflight, preflight
 from .progress import Progress
+from .reproduce import Reproduce, reproduce
 from .route import Route, route
 
 try:
@@ -330,9 +331,11 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
         req = _Request(str(pf.base.path), tuple(str(a.path) for a in pf.agents if a is not None), method,
                        dict(params or {}), dtype, pf.shard_bytes, pf.block_size, device, seed, allow_missing,
                        count_tied_twice)
+        again = reproduce(pf, base, agents, given=params, recipe=recipe, dtype=dtype, seed=seed,
+                          allow_missing=allow_missing, count_tied_twice=count_tied_twice)
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
             result = _merge(pf, partial, req, recipe=recipe, fsync=fsync, workers=workers, partition=partition,
-                            retries=retries, cache=cache, defaults=list(defaults), notes=list(notes))
+                            retries=retries, cache=cache, defaults=list(defaults), notes=list(notes), again=again)
     finally:
         pf.close()
     result.seconds = time.perf_counter() - t0
@@ -341,7 +344,8 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
 
 def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping[str, Any] | None, fsync: bool,
            workers: int | None, partition: Sequence[Sequence[int]] | None, retries: int,
-           cache: StatsCache | None, defaults: list[str], notes: list[str]) -> MergeResult:
+           cache: StatsCache | None, defaults: list[str], notes: list[str],
+           again: Reproduce | None = None) -> MergeResult:
     match, spec, p = pf.match, pf.spec, pf.params
     assert match is not None and spec is not None
     extras = [x for x in pf.extras if x is not None]
@@ -404,7 +408,7 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
         if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
             result.warnings += stats.identical_agents()
         rescale_survival(result, match, writer.annotations())  # the workers' notes, adopted with their shards
-        finish_output(writer, match, result, recipe)
+        finish_output(writer, match, result, recipe, again)
     result.read_bytes = read  # the tasks count what they read, the copied tensors too
     result.write_bytes = match.write_bytes
     return result

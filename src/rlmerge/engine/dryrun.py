@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import RLMergeError
+from ..io.tokenizer_plan import TokenizerPlan
 from ..io.writer import DEFAULT_SHARD_SIZE, layout_shards
 from .blocks import DEFAULT_BLOCK
 from .budget import MemoryEstimate
@@ -34,6 +35,7 @@ class DryRun:
     shards: int = 0
     memory: MemoryEstimate | None = None
     available_memory: int | None = None
+    tokenizer: TokenizerPlan | None = None  # the output's tokenizer, and how the agents' differ
 
     @property
     def ok(self) -> bool:
@@ -49,6 +51,7 @@ class DryRun:
             "peak_memory_bytes": mem.total if mem else None, "block": mem.block if mem else None,
             "mapped_bin_bytes": mem.mapped if mem else None, "available_memory_bytes": self.available_memory,
             "problems": [p.render() for p in self.problems], "warnings": self.warnings,
+            "tokenizer": self.tokenizer.to_json() if self.tokenizer is not None else None,
         }
 
 
@@ -58,7 +61,7 @@ def dry_run(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
             shard_size: str | int = DEFAULT_SHARD_SIZE, block_size: int = DEFAULT_BLOCK,
             allow_missing: bool = False, count_tied_twice: bool = False, force: bool = False,
             resume: bool = False, available: int | None = None, device: str = "cpu", seed: Any = 0,
-            **_ignored: Any) -> DryRun:
+            tokenizer_source: str | None = None, chat_template: str | None = None, **_ignored: Any) -> DryRun:
     """Check a merge without running it; ``available`` overrides the memory available (bytes).
 
     The checks are the merge's own (``preflight``): what this reports as a problem, a merge refuses.
@@ -68,9 +71,13 @@ def dry_run(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
     """
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
                    block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
-                   count_tied_twice=count_tied_twice, seed=seed, available=available)
+                   count_tied_twice=count_tied_twice, seed=seed, available=available,
+                   tokenizer_source=tokenizer_source, chat_template=chat_template)
     try:
-        report = DryRun(method, problems=pf.problems, memory=pf.memory, available_memory=pf.available)
+        report = DryRun(method, problems=pf.problems, memory=pf.memory, available_memory=pf.available,
+                        tokenizer=pf.tokenizer)
+        if pf.match is None and pf.tokenizer is not None:  # the match refused: the tokenizer's differences still said
+            report.warnings = list(pf.tokenizer.warnings)
         if pf.match is not None:
             report.match, report.warnings = pf.match, list(pf.match.warnings)
             report.write_bytes = pf.match.write_bytes

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ..errors import InputError, RLMergeError, raise_all
 from ..io.checkpoint import Checkpoint, TensorInfo
 from ..io.dtypes import DType
 from ..io.lora import bind_to_base
+from ..io.vocab import EMBEDDING_SUFFIXES
 
-EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")
 LM_HEAD = "lm_head.weight"
 # config.json fields that fix the tensor layout: an agent that differs here is not a fine-tune of the base.
 # (vocab_size is left to the embedding shape check, which says what to do about a resized vocabulary.)
@@ -53,6 +53,7 @@ class Match:
     untied_output: bool = False  # lm_head merged on its own although the base ties it: the config must say so
     warnings: list[str] = field(default_factory=list)
     base_agents: list[str] = field(default_factory=list)  # agents that are the base folder itself
+    tokenizer: Any = None  # io.tokenizer_plan.TokenizerPlan: the output's tokenizer files (set by preflight)
 
     @property
     def merge_jobs(self) -> list[Job]:
@@ -217,8 +218,10 @@ def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | N
             present.append(True)
             if other.shape != info.shape:
                 vocab = name.endswith((*EMBEDDING_SUFFIXES, "lm_head.weight"))
-                hint = ("the vocabulary was resized: resize the agent's embeddings back to the base's "
-                        "vocabulary" if vocab and other.shape[1:] == info.shape[1:]
+                hint = ("the vocabulary was resized: choose the output's vocabulary with --tokenizer-source union "
+                        "(every model's tokens), base or the agent (rows mapped by token, as mergekit), or resize "
+                        "the agent's embeddings back to the base's vocabulary"
+                        if vocab and other.shape[1:] == info.shape[1:]
                         else "the agent is not a fine-tune of this base")
                 problems.append(InputError(f"shape {list(other.shape)} differs from the base's "
                                            f"{list(info.shape)}", file=str(other.file),

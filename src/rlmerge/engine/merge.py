@@ -10,25 +10,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InputError, RLMergeError, raise_all
+from ..errors import ConfigError, InputError, RLMergeError, raise_all
 from ..io.checkpoint import SIDE_FILES, Checkpoint
+from ..io.hub import push, push_problems
 from ..io.partial import PartialDir, fingerprint, input_identity
+from ..io.tokenizer import GENERATION, TEMPLATE_FILES, TOKENIZER_FILES
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
 from ..methods import MethodSpec
 from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
-from ..report.provenance import model_card, provenance
+from ..report.card import adapter_lines, model_card
+from ..report.provenance import provenance
 from ..stats import Statistics
 from . import survival
+from .adapter import AdapterOptions, AdapterWriter, adapter_writer
 from .backends import Run, closing, make_backends
 from .blocks import DEFAULT_BLOCK, device_type, spans
 from .match import Match
 from .passes import merge_pass, statistics_pass
 from .preflight import preflight
 from .progress import Progress
+from .reproduce import Reproduce, reproduce
 from .route import Route, route
 
 if TYPE_CHECKING:
     from .cache import CacheView, StatsCache
+
+TOKENIZER_SIDE = (*TOKENIZER_FILES, *TEMPLATE_FILES, GENERATION)  # side files the tokenizer plan decides
 
 
 @dataclass
@@ -50,6 +57,8 @@ class MergeResult:
     merged_dtypes: list[str] = field(default_factory=list)  # what the merged tensors were written in
     defaults: list[str] = field(default_factory=list)  # mergekit defaults a recipe took, in words
     per_tensor: dict[str, str] = field(default_factory=dict)  # parameters a recipe gave per tensor, in words
+    url: str | None = None  # where --push-to-hub put it
+    adapter: dict[str, Any] | None = None  # --output-format peft: the ranks kept and the errors (AdapterWriter)
 
 
 def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str],
@@ -58,7 +67,10 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           force: bool = False, allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
           quiet: bool = True, recipe: Mapping[str, Any] | None = None, resume: bool = False,
           fsync: bool = True, cache: StatsCache | None = None, defaults: Sequence[str] = (),
-          notes: Sequence[str] = ()) -> MergeResult:
+          notes: Sequence[str] = (), tokenizer_source: str | None = None,
+          chat_template: str | None = None, push_to_hub: str | None = None, private: bool = False,
+          revision: str | None = None, output_format: str = "hf", rank: Any = "full",
+          non_linear: str = "save") -> MergeResult:
     """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
 
     >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
@@ -72,25 +84,54 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     merges of the same inputs (``rlmerge.sweep`` keeps one).
 
     ``defaults`` and ``notes``: what a recipe's translation said (mergekit's defaults it applied, what it ignores),
-    written to rlmerge.json and the model card.
+    written to rlmerge.json and the model card. ``tokenizer_source`` (None, ``base``, ``union`` or an agent) and
+    ``chat_template`` (``base``, ``auto``, an agent, a file or the template's text): the output's tokenizer, with
+    mergekit's meaning (io/tokenizer_plan.py). ``push_to_hub``: a Hub repository the finished output is uploaded
+    to (``private``, a branch ``revision``): checked before any weight is read, pushed only once the output is
+    complete (io/hub.py); ``MergeResult.url`` says where. ``output_format="peft"``: the merged task vector as a
+    LoRA adapter of the base (engine/adapter.py: ``rank`` R, ``"full"`` or ``"energy=F"``; ``non_linear`` ``"save"``
+    puts changed norms, embeddings and biases into modules_to_save, ``"refuse"`` refuses them);
+    ``MergeResult.adapter`` is each matrix's kept rank and relative error.
     """
     t0 = time.perf_counter()
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
                    block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
-                   count_tied_twice=count_tied_twice, seed=seed)
+                   count_tied_twice=count_tied_twice, seed=seed, tokenizer_source=tokenizer_source,
+                   chat_template=chat_template, output_format=output_format)
+    adapter = None
     try:
+        if output_format == "peft":
+            try:
+                adapter = AdapterOptions.parse(rank, non_linear)
+            except RLMergeError as e:
+                pf.problems.append(e)
+            if resume:
+                pf.problems.append(ConfigError("--resume continues a sharded model; an adapter is written in one "
+                                               "go", hint="run again without --resume (or with --force)"))
+        if push_to_hub is not None:
+            pf.problems += push_problems(push_to_hub, revision=revision)
         raise_all(pf.problems)
         assert pf.match is not None and pf.spec is not None  # no problems: every stage ran
         check_copies(pf.match)  # reads the copied tensors only, before anything is written
         extras = [x for x in pf.extras if x is not None]
+        again = reproduce(pf, base, agents, given=params, recipe=recipe, dtype=dtype, seed=seed,
+                          allow_missing=allow_missing, count_tied_twice=count_tied_twice,
+                          tokenizer_source=tokenizer_source, chat_template=chat_template,
+                          output_format=output_format if adapter else None,
+                          rank=str(adapter.ranks) if adapter else None,
+                          non_linear=non_linear if adapter else None)
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
             result = _run(pf.match, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,
                           block_size=pf.block_size, device=device, seed=seed, quiet=quiet, recipe=recipe,
                           extras=extras, fsync=fsync, cache=cache.view(pf.match, extras) if cache else None,
                           at=pf.at, schedule=pf.parsed.schedule if pf.parsed else {}, defaults=list(defaults),
-                          notes=list(notes))
+                          notes=list(notes), again=again,
+                          adapter=(adapter, pf.out_dtypes) if adapter is not None else None)
     finally:
         pf.close()
+    if push_to_hub is not None:  # the output is published (renamed into place): now, and only now, upload it
+        result.url = push(result.output, push_to_hub, private=private, revision=revision,
+                          message=f"Upload a {result.method} merge made with rlmerge")
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -99,19 +140,22 @@ def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_b
          device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
          extras: list[Checkpoint] | None = None, fsync: bool = True, cache: CacheView | None = None,
          at: Callable[[str], Any] | None = None, schedule: Mapping[str, Any] | None = None,
-         defaults: list[str] | None = None, notes: list[str] | None = None) -> MergeResult:
+         defaults: list[str] | None = None, notes: list[str] | None = None,
+         again: Reproduce | None = None, adapter: tuple[AdapterOptions, Any] | None = None) -> MergeResult:
     extras = extras or []
     metadata, fp = output_fingerprint(match, spec, p, seed=seed, recipe=recipe, device=device,
                                       shard_bytes=shard_bytes, extras=extras, schedule=schedule)
 
-    def writer(background: bool) -> CheckpointWriter:
+    def writer(background: bool) -> CheckpointWriter | AdapterWriter:
+        if adapter is not None:  # --output-format peft: the task vector as LoRA factors, one matrix at a time
+            return adapter_writer(partial, match, adapter[0], adapter[1], fingerprint=fp, fsync=fsync)
         return CheckpointWriter(partial, match.jobs, shard_size=shard_bytes, metadata=metadata, fingerprint=fp,
                                 fsync=fsync, identity=input_identity([match.base, *match.agents, *extras]),
                                 background=background)
 
     return execute(match, spec, p, writer, output=partial.output, block_size=block_size, device=device, seed=seed,
                    quiet=quiet, recipe=recipe, extras=extras, cache=cache, at=at, schedule=schedule,
-                   defaults=defaults, notes=notes)
+                   defaults=defaults, notes=notes, again=again)
 
 
 def output_fingerprint(match: Match, spec: MethodSpec, p: Any, *, seed: int, recipe: Mapping[str, Any] | None,
@@ -121,10 +165,13 @@ def output_fingerprint(match: Match, spec: MethodSpec, p: Any, *, seed: int, rec
     ``schedule``: a recipe's per-tensor parameters (gradients, filters), part of what decides the bytes."""
     metadata = {"rlmerge_method": spec.name}
     params_key = repr(p) + (repr(sorted((k, str(v)) for k, v in schedule.items())) if schedule else "")
-    fp = fingerprint([match.base, *match.agents, *extras], {
+    decides = {
         "method": spec.name, "params": params_key, "seed": seed, "recipe": recipe, "metadata": metadata,
         "device": device_type(device),  # float results may differ between CPU and GPU kernels
-        "headers": [shard_header(s, metadata).hex() for s in layout_shards(match.jobs, shard_bytes)]})
+        "headers": [shard_header(s, metadata).hex() for s in layout_shards(match.jobs, shard_bytes)]}
+    if match.tokenizer is not None and match.tokenizer.key:  # where each vocabulary row comes from
+        decides["vocabulary"] = match.tokenizer.key
+    fp = fingerprint([match.base, *match.agents, *extras], decides)
     return metadata, fp
 
 
@@ -132,12 +179,14 @@ def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool]
             block_size: int, device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
             extras: Sequence[Checkpoint] = (), cache: CacheView | None = None,
             at: Callable[[str], Any] | None = None, schedule: Mapping[str, Any] | None = None,
-            defaults: Sequence[str] | None = None, notes: Sequence[str] | None = None) -> MergeResult:
+            defaults: Sequence[str] | None = None, notes: Sequence[str] | None = None,
+            again: Reproduce | None = None) -> MergeResult:
     """One merge, into the writer ``make_writer(background)`` returns: ``CheckpointWriter`` (shards in a partial
     folder) or ``io.memory.MemoryWriter`` (a sweep's candidate, a state dict). ``cache``: statistics an earlier
     merge of the same inputs gathered (a sweep's); what it covers is not read again, and what this merge
     gathers is added to it. ``at``/``schedule``: a recipe's per-tensor parameters (the cache is not used with
-    them); ``defaults``/``notes``: what the recipe's translation applied and ignored, for the provenance."""
+    them); ``defaults``/``notes``: what the recipe's translation applied and ignored, for the provenance; ``again``:
+    the recipe that reproduces the merge, for the model card."""
     extras = list(extras)
     if at is not None:
         cache = None  # the cache is keyed by one set of parameters
@@ -180,7 +229,7 @@ def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool]
         if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
             result.warnings += stats.identical_agents()
         rescale_survival(result, match, writer.annotations())
-        finish_output(writer, match, result, recipe)
+        finish_output(writer, match, result, recipe, again)
     result.read_bytes, result.write_bytes = run.read_bytes, match.write_bytes
     return result
 
@@ -209,15 +258,20 @@ def rescale_survival(result: MergeResult, match: Match, notes: Mapping[str, Any]
     result.warnings += survival.warnings([a.label for a in match.agents], counts, match.merged_dtypes)
 
 
-def finish_output(writer: Any, match: Match, result: MergeResult, recipe: Mapping[str, Any] | None) -> None:
+def finish_output(writer: Any, match: Match, result: MergeResult, recipe: Mapping[str, Any] | None,
+                  again: Reproduce | None = None) -> None:
     """After the last tensor: side files, the report and model card, then the writer's ``finish`` (the index,
     ``rlmerge.json``, the rename onto the output)."""
     result.merged_dtypes = match.merged_dtypes
-    _side_files(match.base, writer, match)
+    if isinstance(writer, AdapterWriter):  # its factors are all written: its report is complete
+        writer.complete()
+        result.adapter = writer.summary()
+    _side_files(match.base, writer, match, model=result.adapter is None)
     # The statistics this merge already collected feed the report: no extra pass.
     doc = build_report(result.statistics, dtype_facts(match), base=match.base.label, warnings=result.warnings)
     writer.write_text(REPORT_FILE, to_json(doc))
-    writer.write_text("README.md", model_card(match, result) + "\n" + to_markdown(doc, level=2))
+    card = model_card(match, result, reproduce=again, adapter=result.adapter, extra=adapter_lines(result.adapter))
+    writer.write_text("README.md", card + "\n" + to_markdown(doc, level=2))
     writer.finish(provenance(match, result, recipe))
 
 
@@ -258,15 +312,25 @@ def check_copies(match: Match) -> None:
     raise_all(problems)
 
 
-def _side_files(base: Checkpoint, writer: CheckpointWriter, match: Match) -> None:
-    """config, generation config, tokenizer and chat-template files come from the base."""
+def _side_files(base: Checkpoint, writer: Any, match: Match, *, model: bool = True) -> None:
+    """config.json and the base's other side files; the tokenizer, chat-template and generation files the tokenizer
+    plan chose (io/tokenizer_plan.py: the base's unless asked otherwise). An adapter (``model=False``) gets the
+    tokenizer files only: a config.json would make its folder look like a model without weights."""
+    chosen = match.tokenizer.files if match.tokenizer is not None else None
     for name in SIDE_FILES:
         src = base.side_dir / name
-        if not src.is_file():
+        if not model and name not in TOKENIZER_FILES and name not in TEMPLATE_FILES:
             continue
         if name == "config.json":
-            writer.write_text(name, _config_with_dtype(base.config, match))
-        else:
+            if src.is_file():
+                writer.write_text(name, _config_with_dtype(base.config, match))
+        elif chosen is not None and name in TOKENIZER_SIDE:
+            given = chosen.get(name)
+            if isinstance(given, bytes):
+                writer.write_bytes(name, given)
+            elif given is not None:
+                writer.copy_file(given)
+        elif src.is_file():
             writer.copy_file(src)
 
 
@@ -283,4 +347,6 @@ def _config_with_dtype(config: dict[str, Any], match: Match) -> str:
             cfg["torch_dtype"] = name
     if match.untied_output:  # lm_head is stored: loaders must not tie it to the embeddings
         cfg["tie_word_embeddings"] = False
+    if match.tokenizer is not None and match.tokenizer.vocab_size is not None:  # the output's vocabulary rows
+        cfg["vocab_size"] = match.tokenizer.vocab_size
     return json.dumps(cfg, indent=2, sort_keys=True) + "\n"

@@ -20,11 +20,14 @@ from ..io.checkpoint import Checkpoint
 from ..io.dtypes import BF16, F16, F32, DType, by_name
 from ..io.open import open_one
 from ..io.partial import output_problems
+from ..io.tokenizer_plan import TokenizerPlan, plan_tokenizer
+from ..io.vocab import VocabView
 from ..io.writer import parse_size
 from ..methods import MethodSpec, get_method, validate
 from ..methods.spec import Parsed
 from ..schedule import layer_positions
 from . import budget
+from .adapter import widen_to_f32
 from .blocks import DEFAULT_BLOCK, device_type
 from .budget import MemoryEstimate, check_memory, estimate_memory
 from .fast import compute_threads
@@ -86,6 +89,8 @@ class Preflight:
     extras: list[Checkpoint | None] = field(default_factory=list)
     match: Match | None = None
     route: Route | None = None
+    tokenizer: TokenizerPlan | None = None  # the output's tokenizer, template and vocabulary rows
+    out_dtypes: dict[str, DType] | None = None  # --output-format peft: what each tensor would be written in
     memory: MemoryEstimate | None = None
     available: int | None = None
     problems: list[RLMergeError] = field(default_factory=list)
@@ -104,8 +109,13 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
               params: Mapping[str, Any] | None = None, dtype: Any = None, shard_size: str | int = 5 * 10**9,
               block_size: Any = 1 << 22, device: str = "cpu", force: bool = False, resume: bool = False,
               allow_missing: bool = False, count_tied_twice: bool = False, seed: Any = 0,
-              available: int | None = None) -> Preflight:
-    """Check a merge from headers only; every problem is collected in ``Preflight.problems``."""
+              available: int | None = None, tokenizer_source: str | None = None,
+              chat_template: str | None = None, output_format: str = "hf") -> Preflight:
+    """Check a merge from headers only; every problem is collected in ``Preflight.problems``.
+
+    ``tokenizer_source`` / ``chat_template``: the output's tokenizer and chat template (io/tokenizer_plan.py); when
+    the vocabulary rows move, the models are matched through ``io.vocab.VocabView``s of them. ``output_format``
+    ``peft``: the merged tensors are computed into float32 for the adapter writer (engine/adapter.py)."""
     pf = Preflight()
     problems = pf.problems
     for fn in (lambda: _method(pf, method, params), lambda: setattr(pf, "out_dtype", parse_dtype(dtype)),
@@ -133,11 +143,29 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
                                    file=str(pf.base.side_dir),
                                    hint="copy the base model's config.json into that folder"))
     here = [a for a in pf.agents if a is not None]
+    pf.tokenizer, found = plan_tokenizer(pf.base, here, source=tokenizer_source, chat_template=chat_template)
+    problems += found
+    base_m: Checkpoint = pf.base
+    rows = pf.tokenizer.rows
+    if rows is not None:  # the output's vocabulary rows, as a view of every model
+        base_m, here = VocabView(pf.base, rows, 0), [VocabView(a, rows, i) for i, a in enumerate(here, 1)]
+        if extra_specs:
+            problems.append(ConfigError(f"tokenizer_source {tokenizer_source} moves the vocabulary rows, and the "
+                                        "method's side inputs (Fisher files) are laid out on the base's rows",
+                                        hint="leave tokenizer_source unset for this method"))
     # Agents that could not be opened are left out, so the others are still matched against the base.
     try:
         widen = dtype is None and pf.spec is not None and pf.spec.float32_output  # the one place this is decided
-        pf.match = match_models(pf.base, here, dtype=pf.out_dtype, allow_missing=allow_missing,
+        pf.match = match_models(base_m, here, dtype=pf.out_dtype, allow_missing=allow_missing,
                                 count_tied_twice=count_tied_twice, at_least=F32 if widen else None)
+        pf.match.tokenizer = pf.tokenizer
+        pf.match.warnings += pf.tokenizer.warnings
+        if output_format == "peft":
+            pf.out_dtypes, found = widen_to_f32(pf.match)
+            problems += found
+        elif output_format != "hf":
+            problems.append(ConfigError(f"--output-format {output_format!r}", hint="hf (a full model) or peft "
+                                                                                 "(a LoRA adapter of the base)"))
         if all(pf.extras):
             check_side_inputs(pf.match, pf.extras)  # type: ignore[arg-type]
     except RLMergeError as e:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import ConfigError, InputError, RLMergeError, raise_all
+from ..io.hub import push, push_problems
 from ..io.sweepdir import SweepDir
 from ..report.sweep import pareto, render_report
 from .blocks import DEFAULT_BLOCK
@@ -62,6 +63,7 @@ class SweepResult:
     # the best and those the scores cannot tell from it (noise.py), best first; empty where nothing is known
     indistinguishable: list[Scored] = field(default_factory=list)
     confirmed: dict[str, Scored] = field(default_factory=dict)  # candidate id → its scores on the held-out split
+    url: str | None = None  # where --push-to-hub put the best candidate
 
     @property
     def failed(self) -> list[Scored]:
@@ -84,7 +86,8 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           block_size: int = DEFAULT_BLOCK, device: str = "cpu", seed: int = 0, allow_missing: bool = False,
           count_tied_twice: bool = False, settings: Mapping[str, Any] | None = None, cache: StatsCache | None = None,
           on_result: Callable[[Scored], None] | None = None, quiet: bool = True, search: Search = "grid",
-          trials: int | None = None, confirm: Scorer | None = None, confirm_top: int | None = None) -> SweepResult:
+          trials: int | None = None, confirm: Scorer | None = None, confirm_top: int | None = None,
+          push_to_hub: str | None = None, private: bool = False, revision: str | None = None) -> SweepResult:
     """Merge and score every candidate; see the module docstring.
 
     ``output`` None: nothing is written (the Python API's grid search; a candidate too large for memory goes to a
@@ -101,6 +104,9 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
         problems.append(ConfigError(f"keep = {keep!r} must be a whole number ≥ 0"))
     elif keep and output is None:
         problems.append(ConfigError(f"keep = {keep}: the best candidates are kept only in a sweep folder (-o)"))
+    if push_to_hub is not None:
+        problems += push_problems(push_to_hub, revision=revision) if type(keep) is int and keep >= 1 else [
+            ConfigError("--push-to-hub uploads the best kept candidate: give --keep 1 (or more)")]
     if memory not in ("auto", "always", "never") or backend not in ("local", "ray"):
         problems.append(ConfigError(f"memory = {memory!r}, backend = {backend!r}",
                                     hint="memory: auto, always or never; backend: local or ray"))
@@ -150,6 +156,10 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
                                             read_confirmed(folder, doc) if resume and folder is not None else {})
             if folder is not None:
                 result.kept = _keep(folder, ctx, result, doc, cache, keep, quiet=quiet)
+                if push_to_hub is not None and result.kept:  # written and proven: now upload the best
+                    result.url = push(result.kept[0], push_to_hub, private=private, revision=revision,
+                                      message=f"Upload the best candidate of an rlmerge sweep "
+                                              f"({result.ranking[0].candidate.label})")
                 folder.write(RESULTS, dump(doc))
                 for name, data in render_report(doc).items():
                     folder.write(name, data)

@@ -222,6 +222,7 @@ class Checkpoint:
     # ``read_into`` gives any tensor's stored bytes, and may run on a reader thread beside the other reads: the
     # numba path can read this checkpoint (False: an adapter, which supplies τ itself; io/lora.py)
     stored_bytes = True
+    hub_id: str | None = None  # the Hub repository it came from (io/open.hub_id), for the model card's metadata
 
     @property
     def viewable(self) -> bool:

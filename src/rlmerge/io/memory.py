@@ -24,10 +24,38 @@ from ..errors import InputError
 from .writer import Job
 
 
-class MemoryWriter:
-    """Tensors in memory, in job order, behind ``CheckpointWriter``'s interface (see the module docstring)."""
+class Immediate:
+    """The part of ``CheckpointWriter``'s interface that a writer which consumes each block at once shares (this
+    module's, and engine/adapter.AdapterWriter): nothing to resume, nothing queued, notes kept in ``self.notes``."""
 
-    resumed = 0  # nothing survives a run in memory
+    resumed = 0  # nothing survives a run
+    notes: dict[str, Any]
+
+    def pending(self, jobs: Sequence[Job]) -> list[Job]:
+        return list(jobs)
+
+    def annotate(self, name: str, value: Any) -> None:
+        self.notes[name] = value
+
+    def annotations(self) -> dict[str, Any]:
+        return dict(self.notes)
+
+    def write_now(self, data: memoryview) -> None:
+        raise NotImplementedError
+
+    def write_later(self, data: memoryview) -> Future[Any]:
+        """Consumed at once (no writer thread): the caller may reuse ``data`` right away."""
+        fut: Future[Any] = Future()
+        self.write_now(data)
+        fut.set_result(None)
+        return fut
+
+    def drain(self) -> None:
+        pass
+
+
+class MemoryWriter(Immediate):
+    """Tensors in memory, in job order, behind ``CheckpointWriter``'s interface (see the module docstring)."""
 
     def __init__(self, jobs: Sequence[Job], *, metadata: dict[str, str] | None = None) -> None:
         self.jobs = list(jobs)
@@ -49,15 +77,6 @@ class MemoryWriter:
 
     def __exit__(self, *exc: Any) -> None:
         pass
-
-    def pending(self, jobs: Sequence[Job]) -> list[Job]:
-        return list(jobs)
-
-    def annotate(self, name: str, value: Any) -> None:
-        self.notes[name] = value
-
-    def annotations(self) -> dict[str, Any]:
-        return dict(self.notes)
 
     # -- tensor data, in job order --------------------------------------------------------------------
     def start(self, job: Job) -> None:
@@ -81,19 +100,12 @@ class MemoryWriter:
         self.buffers[job.name][self._cursor:self._cursor + buf.size] = buf
         self._cursor += buf.size
 
-    def write_later(self, data: memoryview) -> Future[Any]:
-        """Copied at once (a memory copy needs no writer thread): the caller may reuse ``data`` right away."""
-        fut: Future[Any] = Future()
-        self.write_now(data)
-        fut.set_result(None)
-        return fut
-
-    def drain(self) -> None:
-        pass
-
     # -- side files and the end -------------------------------------------------------------------------
     def write_text(self, name: str, text: str) -> None:
         self.files[name] = text.encode()
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.files[name] = bytes(data)
 
     def copy_file(self, src: Path) -> None:
         try:

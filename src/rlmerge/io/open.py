@@ -54,7 +54,23 @@ def resolve(spec: str | os.PathLike[str]) -> tuple[Path, str | None]:
 def open_one(spec: str | os.PathLike[str]) -> Checkpoint:
     """Resolve (a folder or a hub id) and open one model, headers only."""
     path, rev = resolve(spec)
-    return open_checkpoint(path, label=str(spec), revision=rev)
+    ckpt = open_checkpoint(path, label=str(spec), revision=rev)
+    ckpt.hub_id = hub_id(spec, path)
+    return ckpt
+
+
+def hub_id(spec: str | os.PathLike[str], path: Path) -> str | None:
+    """The Hub repository a model came from: the hub id it was given as (without its revision), or the one a Hugging
+    Face cache snapshot folder (``models--ORG--NAME/snapshots/REV``) belongs to; None for any other local folder."""
+    text = str(spec)
+    if not Path(text).expanduser().exists():
+        return text.partition("@")[0]
+    real = path.resolve()
+    repo = real.parent.parent.name if real.parent.name == "snapshots" else ""
+    parts = repo.split("--")
+    if parts[0] == "models" and len(parts) == 3 and all(parts[1:]):
+        return f"{parts[1]}/{parts[2]}"
+    return None
 
 
 def checked_model_folder(spec: str | os.PathLike[str], *, what: str) -> Path:

@@ -51,6 +51,7 @@ MANIFEST = "rlmerge.json"  # provenance, and the list of files rlmerge wrote bes
 _HASH_CHUNK = 1 << 24  # bytes per read when checksumming a file
 # Every name rlmerge writes into a folder of its own (shards, index, side files, reports, plots, bookkeeping).
 _OURS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|rlmerge\.json"
+                   r"|adapter_model\.safetensors|adapter_config\.json"
                    r"|rlmerge-report\.json|README\.md|fisher\.json|[\w-]+\.png|\.lock|\.progress\.(json|tmp)")
 _BOOKKEEPING = (LOCK, PROGRESS, ".progress.tmp")
 

@@ -137,7 +137,29 @@ def shard_header(shard: Shard, metadata: dict[str, str]) -> bytes:
     return len(body).to_bytes(8, "little") + body
 
 
-class CheckpointWriter:
+class SideFiles:
+    """The side files of a writer that owns a ``PartialDir`` (``self.partial``): config, tokenizer, report, card.
+    Shared by the shard writer and the adapter writer (engine/adapter.py): a mixin of three one-line verbs rather
+    than the same lines twice."""
+
+    partial: PartialDir
+
+    def write_text(self, name: str, text: str) -> None:
+        self.partial.write_bytes(name, text.encode())
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.partial.write_bytes(name, data)
+
+    def copy_file(self, src: Path) -> None:
+        """A side file (config, tokenizer …) of an input, copied whole (they are small)."""
+        try:
+            data = src.read_bytes()
+        except OSError as e:
+            raise InputError(f"cannot read: {e.strerror}", file=str(src)) from e
+        self.partial.write_bytes(src.name, data)
+
+
+class CheckpointWriter(SideFiles):
     """Streams shards into a claimed ``PartialDir`` and publishes it onto the output at the end.
 
     Each shard's CRC-32 is computed as it streams out; once complete it is fsynced and recorded in the partial
@@ -318,18 +340,7 @@ class CheckpointWriter:
             start_writeback(self._fh.fileno(), self._flushed, self._written - self._flushed)
             self._flushed = self._written
 
-    # -- side files and the final rename ---------------------------------------------------------------
-    def write_text(self, name: str, text: str) -> None:
-        self.partial.write_bytes(name, text.encode())
-
-    def copy_file(self, src: Path) -> None:
-        """A side file (config, tokenizer …) of an input, copied whole (they are small)."""
-        try:
-            data = src.read_bytes()
-        except OSError as e:
-            raise InputError(f"cannot read: {e.strerror}", file=str(src)) from e
-        self.partial.write_bytes(src.name, data)
-
+    # -- the final rename ------------------------------------------------------------------------------
     def complete(self) -> None:
         """Every tensor written: close (fsync, record) the last shard."""
         self.drain()

@@ -1,4 +1,4 @@
-"""What the output says about itself: ``rlmerge.json`` (provenance) and the model card ``README.md``.
+"""What the output says about itself: ``rlmerge.json`` (provenance; the model card is report/card.py).
 
 Both are deterministic (no timestamps, no block size), so the same inputs and recipe give the same bytes.
 """
@@ -84,38 +84,6 @@ def provenance(match: Match, result: MergeResult, recipe: Mapping[str, Any] | No
         doc["per_tensor_parameters"] = dict(result.per_tensor)
     if result.defaults:
         doc["defaults_applied"] = list(result.defaults)
+    if match.tokenizer is not None:  # what the output's tokenizer is, and how the agents' differ
+        doc["tokenizer"] = match.tokenizer.to_json()
     return doc
-
-
-def model_card(match: Match, result: MergeResult) -> str:
-    tags = ["merge", "rlmerge", result.method]
-    lines = ["---", f"base_model: {match.base.label}", "base_model_relation: merge", "library_name: transformers",
-             "tags:", *(f"- {t}" for t in tags), "---", "",
-             f"# Merged with rlmerge ({result.method})", "",
-             f"Base model: `{match.base.label}`. Agents merged: {len(match.agents)}.", ""]
-    params = dataclasses.asdict(result.params) if dataclasses.is_dataclass(result.params) else {}
-    if params:
-        shown = {k: ("per tensor" if k in result.per_tensor else v) for k, v in params.items()}
-        lines += ["Parameters: " + ", ".join(f"`{k}={v}`" for k, v in shown.items()), ""]
-    if result.per_tensor:
-        lines += ["Per tensor (the recipe's gradients over the layers and filters on tensor names, as mergekit):",
-                  *(f"- `{k}`: {v}" for k, v in result.per_tensor.items()), ""]
-    if result.defaults:
-        lines += ["Defaults applied (mergekit's, for a recipe in its layout):", *(f"- {d}" for d in result.defaults),
-                  ""]
-    rows = agent_rows(result)
-    cols = [c for c in ("agent", "density", "kept", "changed", "unique", "shared", "rho", "lambda", "lambda_kept")
-            if c in rows[0]]
-    lines += ["| " + " | ".join(COLUMN.get(c, c) for c in cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        cells = []
-        for c in cols:
-            v = r[c]
-            cells.append("—" if v is None else f"{v:.2%}" if c in PERCENT else f"{v:.4f}" if isinstance(v, float)
-                         else f"{v}")
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Elements counted: {result.statistics.numel:,} (changed means |τ| > {result.statistics.epsilon:g}).",
-              "Provenance (inputs, file hashes, parameters): `rlmerge.json`.", ""]
-    if result.warnings:
-        lines += ["## Warnings", "", *(f"- {w}" for w in result.warnings), ""]
-    return "\n".join(lines)
