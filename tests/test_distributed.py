@@ -10,6 +10,7 @@ locally, also when a candidate task's worker is killed.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -236,3 +237,25 @@ def test_cli_merge_backend_ray_writes_the_local_bytes(cluster, example, tmp_path
     assert main(["merge", *args, "-o", str(tmp_path / "local")]) == 0
     assert main(["merge", *args, "-o", str(tmp_path / "ray"), "--backend", "ray", "--workers", "2"]) == 0
     same_folder(tmp_path / "local", tmp_path / "ray")
+
+
+def test_a_search_on_ray_asks_a_batch_per_worker_and_scores_each_trial_as_locally(cluster, example,
+                                                                                 tmp_path: Path) -> None:
+    """Trials asked on the driver, a batch of ``workers`` at a time, scored as Ray tasks, told as they finish: exactly
+    N, the same trials in a second run (a batch is asked whole, so the order results return in does not matter),
+    each candidate's score the local one."""
+    pytest.importorskip("optuna")
+    base, agents = example
+    kw = {"candidates": ["ram+ r=0.01..0.5:log alpha=0.5..3", "ties density=0.1..0.9 scaling=0.5..1.5"],
+          "search": "tpe", "trials": 5, "seed": 2, "backend": "ray", "workers": 2}
+    a = rlmerge.sweep(base, agents, tmp_path / "a", scorer=Norms(agents[0]), **kw)
+    b = rlmerge.sweep(base, agents, tmp_path / "b", scorer=Norms(agents[0]), **kw)
+    docs = [json.loads((tmp_path / x / "results.json").read_text()) for x in ("a", "b")]
+    assert [len(d["trials"]) for d in docs] == [5, 5] and docs[0]["search"]["batch"] == 2
+    assert {t["state"] for t in docs[0]["trials"]} == {"complete"}
+    assert [(t["candidate"], t["params"]) for t in docs[0]["trials"]] == \
+        [(t["candidate"], t["params"]) for t in docs[1]["trials"]]
+    local = rlmerge.sweep(base, agents, None, candidates=[s.candidate for s in a.scored], scorer=Norms(agents[0]))
+    assert [s.scores for s in local.scored] == [s.scores for s in a.scored] == [s.scores for s in b.scored]
+    res = rlmerge.sweep(base, agents, tmp_path / "a", scorer=Norms(agents[0]), resume=True, **{**kw, "trials": 7})
+    assert len(json.loads((tmp_path / "a" / "results.json").read_text())["trials"]) == 7 and res.scored

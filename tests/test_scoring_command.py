@@ -181,13 +181,15 @@ def test_options_placeholders_and_the_environment_reach_the_command(tmp_path: Pa
         import json, os, sys
         print(json.dumps({"echo": {"score": 1, "n": int(sys.argv[2]), "stderr": float(sys.argv[3])},
                           "env": 1 if os.environ["MY_FLAG"] == "a=b" and os.environ["RLMERGE_MODEL"] == sys.argv[1]
-                          else 0, "cwd": 1 if os.getcwd().endswith("evals") else 0}))
+                          else 0, "cwd": 1 if os.getcwd().endswith("evals") else 0,
+                          "split": {"val": 1, "test": 2}[sys.argv[4]] * (os.environ["RLMERGE_SPLIT"] == sys.argv[4])}))
     ''')
-    scorer = TaskScorer([f"cmd:{PY} echo.py {{model}} {{limit}} {{seed}}"], limit=7, seed=3,
+    scorer = TaskScorer([f"cmd:{PY} echo.py {{model}} {{limit}} {{seed}} {{split}}"], limit=7, seed=3,
                         cmd_env=["MY_FLAG=a=b"], cmd_cwd=str(script.parent))
     got = scorer(_built(tmp_path))
     assert got["echo"] == rlmerge.TaskScore(1.0, 7, 3.0)
     assert got["env"].score == 1.0 and got["cwd"].score == 1.0
+    assert got["split"].score == 1.0 and scorer.held_out("test")(_built(tmp_path))["split"].score == 2.0  # --confirm
     assert scorer.settings()["cmd_env"] == ["MY_FLAG"]  # keys only: values may be secrets
     assert scorer.settings()["cmd_cwd"] == str(script.parent)
 

@@ -11,6 +11,7 @@ from rich.live import Live
 from rich.table import Table
 
 from ..engine.candidates import load_sweep_recipe
+from ..engine.space import parse_spaces
 from ..engine.sweep import Scored, SweepResult, sweep
 from ..errors import ConfigError
 from . import options as o
@@ -22,7 +23,17 @@ def sweep_command(
     output: Annotated[Path, typer.Option("-o", "--output", help="the sweep's folder: results.json, report.md, "
                                                                   "plot.png, the kept checkpoints")] = ...,
     candidate: Annotated[list[str] | None, typer.Option(
-        "--candidate", help='a grid, repeatable: "METHOD KEY=V1,V2 KEY=V3" (every combination is a candidate)')]
+        "--candidate", help='a grid, repeatable: "METHOD KEY=V1,V2 KEY=V3" (every combination is a candidate); '
+                            'with --search, a space: KEY=LO..HI, KEY=LO..HI:log, KEY=a,b (several: the method is '
+                            'a choice too)')]
+    = None,
+    search: Annotated[str | None, typer.Option(help=escape(
+        "grid (default: every candidate), or random, tpe, cmaes: --trials candidates sampled by Optuna "
+        "(pip install 'rlmerge[search]')"))] = None,
+    trials: Annotated[int | None, typer.Option(min=1, help="--search: trials told to the study (a failed one "
+                                                           "counts); --resume continues to this many")] = None,
+    confirm: Annotated[str | None, typer.Option(help="score the kept candidates (--keep K, else the best 3) again "
+                                                     "on this held-out split (test), beside their search score")]
     = None,
     recipe: Annotated[Path | None, typer.Option(help="YAML: base_model, models, candidates, and any option")] = None,
     tasks: Annotated[list[str] | None, typer.Option(
@@ -73,7 +84,7 @@ def sweep_command(
 
         allow_unisolated()
     flags = {"tasks": tasks, "limit": limit, "split": split, "lab_view": lab_view,
-             "keep": keep,
+             "keep": keep, "search": search, "trials": trials, "confirm": confirm,
              "backend": backend, "workers": workers, "memory": memory, "dtype": dtype, "block_size": block_size,
              "device": device, "seed": seed, "allow_missing": allow_missing or None,
              "count_tied_twice": count_tied_twice or None, "num_fewshot": num_fewshot, "batch_size": batch_size,
@@ -94,6 +105,11 @@ def sweep_command(
                             cmd_env=s.get("cmd_env", ()), cmd_cwd=s.get("cmd_cwd"))
     else:
         err.print("[yellow]warning:[/] no --tasks: the candidates are merged, not scored")
+    held_out = None
+    if s.get("confirm"):
+        if scorer is None:
+            raise ConfigError(f"--confirm {s['confirm']}: nothing is scored (no --tasks)")
+        held_out = scorer.held_out(s["confirm"])
     table = _LiveTable(quiet=quiet or json_out)
     with table:
         res = sweep(base, agents, output, candidates=grids, scorer=scorer, keep=s.get("keep", 0), resume=resume,
@@ -102,7 +118,8 @@ def sweep_command(
                     seed=s.get("seed", 0), allow_missing=s.get("allow_missing", False),
                     count_tied_twice=s.get("count_tied_twice", False),
                     settings=scorer.settings() if scorer is not None else {},
-                    on_result=table.add, quiet=quiet or json_out, push_to_hub=push_to_hub, private=private,
+                    on_result=table.add, quiet=quiet or json_out, search=s.get("search", "grid"),
+                    trials=s.get("trials"), confirm=held_out, push_to_hub=push_to_hub, private=private,
                     revision=revision, **({"block_size": s["block_size"]} if s.get("block_size") else {}))
     _warn_failures(res)
     if json_out:
@@ -117,7 +134,7 @@ def _gather(models: list[str] | None, recipe: Path | None, grids: list[str] | No
     settings: dict[str, Any] = {}
     cands: list[Any] = list(grids or [])
     if recipe is not None:
-        rec = load_sweep_recipe(recipe)
+        rec = load_sweep_recipe(recipe, search=flags.get("search"))
         if models:
             raise ConfigError("give models either on the command line or in --recipe, not both")
         base, agents = rec.base, rec.agents
@@ -130,6 +147,8 @@ def _gather(models: list[str] | None, recipe: Path | None, grids: list[str] | No
     if not cands:
         raise ConfigError("no candidates", hint='give --candidate "ram+ r=0.05,0.1 alpha=1,2" (repeatable)')
     settings.update(flags)
+    if recipe is not None and settings.get("search", "grid") != "grid":  # a recipe's spaces, named by its file
+        parse_spaces(rec.candidates, seed=settings.get("seed", 0), where=f"{recipe}: candidates")
     return base, agents, cands, settings
 
 
@@ -176,6 +195,9 @@ def _summary(res: SweepResult) -> dict[str, Any]:
                                                     "scores": s.scores, "average": s.average,
                                                     **({"error": s.error} if s.error else {})} for s in res.ranking],
             "pareto": [s.candidate.id for s in res.pareto], "kept": [str(p) for p in res.kept],
+            "indistinguishable": [s.candidate.id for s in res.indistinguishable],
+            "confirmed": {cid: {"scores": c.scores, "average": c.average, **({"error": c.error} if c.error else {})}
+                          for cid, c in res.confirmed.items()},
             "statistics_passes": res.statistics_passes, "merge_passes": res.merge_passes, "url": res.url,
             "seconds": round(res.seconds, 3)}
 
@@ -186,6 +208,13 @@ def _print_summary(res: SweepResult) -> None:
     if res.ranking and res.ranking[0].average is not None:
         best = res.ranking[0]
         out.print(f"best: [bold]{escape(best.candidate.label)}[/] (average {best.average:.2f})")
+        if len(res.indistinguishable) > 1:
+            out.print(f"{len(res.indistinguishable) - 1} other candidate(s) are indistinguishable from it (95 % "
+                      "interval of the difference contains 0): see report.md")
+    for cid, c in res.confirmed.items():
+        s = next(x for x in res.scored if x.candidate.id == cid)
+        said = f"{c.average:.2f}" if c.average is not None else f"failed ({c.error})"
+        out.print(f"confirmed {escape(s.candidate.label)}: search {s.average:.2f}, held out {escape(said)}")
     for p in res.kept:
         out.print(f"kept [bold]{escape(str(p))}[/]")
     if res.url is not None:

@@ -137,6 +137,10 @@ def expand(method: str, axes: Mapping[str, Sequence[Any]], *, seed: int = 0, whe
     """Every combination of ``axes`` (parameter → values; ``seed`` → seeds) for ``method``."""
     spec = get_method(method)
     axes = dict(axes)
+    ranges = [f"{k}={v}" for k, vs in axes.items() for v in vs if isinstance(v, str) and ".." in v]
+    if ranges:
+        raise ConfigError(f"{where}: {', '.join(ranges)}: a range is searched, not listed in a grid",
+                          hint="add --search tpe (or random, cmaes) and --trials N, or list the values: KEY=V1,V2")
     seeds = axes.pop("seed", [seed])
     keys = list(axes)
     out = []
@@ -216,10 +220,13 @@ class SweepSettings:
     cmd_timeout: float | None = None
     cmd_env: tuple[str, ...] | None = None  # KEY=VALUE each (a recipe's mapping is turned into these)
     cmd_cwd: str | None = None
+    search: Literal["grid", "random", "tpe", "cmaes"] | None = None
+    trials: int | None = None
+    confirm: Literal["val", "test"] | None = None
 
     def __post_init__(self) -> None:
         least = {"limit": 1, "keep": 0, "workers": 1, "block_size": 1, "num_fewshot": 0, "batch_size": 1,
-             "cmd_timeout": 0}
+                 "cmd_timeout": 0, "trials": 1}
         raise_all([ConfigError(f"{k} = {getattr(self, k)} must be ≥ {lo}") for k, lo in least.items()
                    if getattr(self, k) is not None and getattr(self, k) < lo])
 
@@ -230,15 +237,16 @@ class SweepRecipe:
 
     base: str
     agents: list[str]
-    candidates: list[Candidate]
+    candidates: list[Any]  # a grid's Candidates; a search's spaces as written (strings or mappings), checked
     settings: dict[str, Any]  # tasks, limit, keep, backend, … as the CLI names them, typed (SweepSettings)
 
 
 SETTINGS = {f.name for f in fields(SweepSettings)}
 
 
-def load_sweep_recipe(path: str | Path) -> SweepRecipe:
-    """``base_model``, ``models`` (mergekit's layout), ``candidates`` and any of ``SETTINGS``."""
+def load_sweep_recipe(path: str | Path, *, search: str | None = None) -> SweepRecipe:
+    """``base_model``, ``models`` (mergekit's layout), ``candidates`` and any of ``SETTINGS``. ``search`` (the
+    command line's, else the recipe's, else grid) says whether the candidates are grids or a search's spaces."""
     p = Path(path)
     try:
         doc = yaml.safe_load(p.read_text(encoding="utf-8"))
@@ -274,10 +282,13 @@ def load_sweep_recipe(path: str | Path) -> SweepRecipe:
                 problems.append(q)
     settings = {k: v for k, v in settings.items() if v is not None}
     entries = doc.get("candidates") or []
-    cands: list[Candidate] = []
+    entries = entries if isinstance(entries, list) else [entries]
+    cands: list[Any] = []
     try:
-        cands = parse_all(entries if isinstance(entries, list) else [entries], seed=settings.get("seed", 0),
-                          where=f"{p}: candidates")
+        if (search or settings.get("search", "grid")) == "grid":
+            cands = parse_all(entries, seed=settings.get("seed", 0), where=f"{p}: candidates")
+        else:
+            cands = list(entries)  # a search's spaces: checked by space.parse_spaces (the CLI, then the sweep)
     except RLMergeError as e:
         problems += e.problems if isinstance(e, ProblemsError) else [e]
     raise_all(problems)

@@ -196,6 +196,12 @@ def _candidate_task(ctx: Context, c: Candidate, scorer: Scorer | None, cache: St
     return scored
 
 
+def slots(ctx: Context) -> int:
+    """How many candidates the cluster scores at once: its GPUs when the device is CUDA, else its CPUs."""
+    gpu = str(ctx.options.get("device", "cpu")).startswith("cuda")
+    return max(1, int(ray.cluster_resources().get("GPU" if gpu else "CPU", 1)))
+
+
 def score_on_ray(ctx: Context, todo: Sequence[Candidate], scorer: Scorer | None, cache: StatsCache,
                  record: Callable[[Scored], None], *, workers: int | None = None, retries: int = 2,
                  address: str | None = None) -> None:

@@ -7,6 +7,10 @@ in memory is built into a state dict (``io.memory.MemoryWriter``) and scored the
 ``candidate-<id>/`` in the sweep folder, scored, and removed. Only the best ``keep`` are written as checkpoints
 (through the normal writer, with provenance). ``backend="ray"`` scores candidates in parallel (distributed.py).
 
+The candidates are a grid's (candidates.py), or a search's trials (``search="tpe"`` …: space.py, search.py), asked
+of Optuna and told their average. After the ranking, the candidates the scores cannot tell from the best are marked
+(noise.py), and ``confirm`` scores the best again on a held-out split.
+
 A scorer is any callable ``scorer(built) -> {task: score}`` (higher is better); a score is a number or a
 ``TaskScore`` (its examples, standard error and per-example results: engine/scores.py, recorded in results.json).
 ``rlmerge.scoring`` makes one from names: the lab's tasks, lm-eval, BFCL, HumanEval, a command, a Python function.
@@ -27,23 +31,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .._version import __version__
-from ..errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
+from ..errors import ConfigError, InputError, RLMergeError, raise_all
 from ..io.hub import push, push_problems
 from ..io.sweepdir import SweepDir
 from ..report.sweep import pareto, render_report
-from ..stream.blocks import DEFAULT_BLOCK, device_type
+from ..stream.blocks import DEFAULT_BLOCK
 from .build import Built, Context, Memory, Scored, Scorer, build_and_score
-from .cache import StatsCache, inputs_key
+from .cache import StatsCache
 from .candidates import Candidate, check, parse_all
 from .merge import check_copies, merge
+from .noise import DRAWS, average_interval, compare
 from .preflight import Preflight, flat, preflight
-from .scores import TaskScore, details_from_json, make
+from .results import RESULTS, dump, from_record, new_doc, read_confirmed, resumed
+from .scores import TaskScore, details_json
+from .space import Space, parse_spaces
 
 __all__ = ["Built", "NothingScored", "Scored", "Scorer", "SweepResult", "TaskScore", "sweep"]
 Backend = Literal["local", "ray"]
-RESULTS = "results.json"
-SCHEMA = "rlmerge.sweep"
+Search = Literal["grid", "random", "tpe", "cmaes"]
 
 
 @dataclass
@@ -55,6 +60,9 @@ class SweepResult:
     output: Path | None = None
     seconds: float = 0.0
     cache_hits: dict[str, int] = field(default_factory=dict)
+    # the best and those the scores cannot tell from it (noise.py), best first; empty where nothing is known
+    indistinguishable: list[Scored] = field(default_factory=list)
+    confirmed: dict[str, Scored] = field(default_factory=dict)  # candidate id → its scores on the held-out split
     url: str | None = None  # where --push-to-hub put the best candidate
 
     @property
@@ -77,19 +85,21 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           backend: Backend = "local", workers: int | None = None, memory: Memory = "auto", dtype: str | None = None,
           block_size: int = DEFAULT_BLOCK, device: str = "cpu", seed: int = 0, allow_missing: bool = False,
           count_tied_twice: bool = False, settings: Mapping[str, Any] | None = None, cache: StatsCache | None = None,
-          on_result: Callable[[Scored], None] | None = None, quiet: bool = True, push_to_hub: str | None = None,
-          private: bool = False, revision: str | None = None) -> SweepResult:
+          on_result: Callable[[Scored], None] | None = None, quiet: bool = True, search: Search = "grid",
+          trials: int | None = None, confirm: Scorer | None = None, confirm_top: int | None = None,
+          push_to_hub: str | None = None, private: bool = False, revision: str | None = None) -> SweepResult:
     """Merge and score every candidate; see the module docstring.
 
     ``output`` None: nothing is written (the Python API's grid search; a candidate too large for memory goes to a
     temporary folder). ``settings``: what else decides the scores (the tasks, their sizes), recorded in
     ``results.json`` and checked by ``resume``. ``on_result`` is called with each candidate as it is scored.
+    ``search``: ``grid`` (every candidate of the grids), or ``random``, ``tpe``, ``cmaes``: ``trials`` candidates
+    sampled from the spaces ``candidates`` describe (space.py, search.py). ``confirm``: a scorer on a held-out split
+    that scores the best ``confirm_top`` (default: ``keep``, else 3) again (``SweepResult.confirmed``).
     """
     t0 = time.perf_counter()
-    grids = [c for c in candidates if not isinstance(c, Candidate)]  # a recipe's candidates come parsed
-    cands = check([*(c for c in candidates if isinstance(c, Candidate)),
-                   *(parse_all(grids, seed=seed) if grids else [])])
     problems: list[RLMergeError] = []
+    cands, spaces = _plan(candidates, search, trials, seed, problems)
     if type(keep) is not int or keep < 0:
         problems.append(ConfigError(f"keep = {keep!r} must be a whole number ≥ 0"))
     elif keep and output is None:
@@ -100,6 +110,11 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     if memory not in ("auto", "always", "never") or backend not in ("local", "ray"):
         problems.append(ConfigError(f"memory = {memory!r}, backend = {backend!r}",
                                     hint="memory: auto, always or never; backend: local or ray"))
+    if spaces is not None and scorer is None:
+        problems.append(ConfigError(f"--search {search}: a search is steered by scores, and nothing scores the "
+                                    "candidates", hint="give --tasks (or scorer=)"))
+    if confirm_top is not None and (type(confirm_top) is not int or confirm_top < 1):
+        problems.append(ConfigError(f"confirm_top = {confirm_top!r} must be a whole number ≥ 1"))
     options = {"dtype": dtype, "block_size": block_size, "device": device, "allow_missing": allow_missing,
                "count_tied_twice": count_tied_twice}
     claim = (lambda models: SweepDir(output, inputs=models, resume=resume, force=force)) \
@@ -112,42 +127,40 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
             from .distributed import init  # Ray is imported only here (the ``ray`` extra)
 
             init()  # reached (or refused) before the sweep folder is claimed
-        doc = _new_doc(pf, cands, settings, options)
+        about = None if spaces is None else {"kind": search, "seed": seed, "spaces": [sp.text for sp in spaces]}
+        doc = new_doc(pf, cands if spaces is None else [], settings, options, about)
         with contextlib.ExitStack() as stack:
             folder = stack.enter_context(claim(pf.models)) if claim is not None else None
             cache = cache if cache is not None else StatsCache(folder)
-            done = _resumed(folder, doc, cands) if resume and folder is not None else {}
             ctx = Context(str(base), [str(a) for a in agents], options, memory, pf.base.side_dir,
                           folder.path if folder is not None else None)
-            scored = {i: s for i, s in done.items()}
-            todo = [c for c in cands if c.id not in scored]
-
-            def record(s: Scored) -> None:
-                scored[s.candidate.id] = s
-                doc["candidates"] = [scored[c.id].to_json(doc["examples"]) for c in cands if c.id in scored]
-                if folder is not None:
-                    folder.write(RESULTS, _dump(doc))
-                    cache.save()
-                if on_result is not None:
-                    on_result(s)
-
-            if backend == "ray":
-                from .distributed import score_on_ray  # Ray is imported only here (the ``ray`` extra)
-
-                score_on_ray(ctx, todo, scorer, cache, record, workers=workers)
+            run = _Run(ctx, cache, folder, doc, backend=backend, workers=workers, on_result=on_result)
+            if resume and folder is not None:
+                planned = {c.id: c for c in cands}
+                run.scored.update(resumed(folder, doc, (lambda r: planned.get(r.get("id"))) if spaces is None
+                                          else from_record, keep_failed=spaces is not None))
+            if spaces is None:
+                run.order = list(cands)
+                run.evaluate([c for c in cands if c.id not in run.scored], scorer)
             else:
-                for c in todo:
-                    record(build_and_score(ctx, c, scorer, cache))
-            ordered = [scored[c.id] for c in cands]
+                _search(run, spaces, search, scorer, seed=seed, trials=trials)  # type: ignore[arg-type]
+            ordered = [run.scored[c.id] for c in run.order]
             doc["candidates"] = [s.to_json(doc["examples"]) for s in ordered]  # also when --resume found all done
             result = _summary(ordered, doc, output=folder.path if folder is not None else None)
+            _noise(result, doc, seed=seed)
+            if confirm is not None:
+                settings_of = getattr(confirm, "settings", None)
+                doc["confirm"] = {"top": confirm_top or keep or CONFIRM_TOP,
+                                  "settings": settings_of() if callable(settings_of) else {}}
+                result.confirmed = _confirm(run, result, confirm, doc["confirm"]["top"],
+                                            read_confirmed(folder, doc) if resume and folder is not None else {})
             if folder is not None:
                 result.kept = _keep(folder, ctx, result, doc, cache, keep, quiet=quiet)
                 if push_to_hub is not None and result.kept:  # written and proven: now upload the best
                     result.url = push(result.kept[0], push_to_hub, private=private, revision=revision,
                                       message=f"Upload the best candidate of an rlmerge sweep "
                                               f"({result.ranking[0].candidate.label})")
-                folder.write(RESULTS, _dump(doc))
+                folder.write(RESULTS, dump(doc))
                 for name, data in render_report(doc).items():
                     folder.write(name, data)
                 cache.save()
@@ -158,6 +171,111 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     if result.scored and len(result.failed) == len(result.scored):
         raise _nothing_scored(result)
     return result
+
+
+CONFIRM_TOP = 3  # candidates --confirm scores again when nothing is kept
+
+
+def _plan(candidates: Sequence[Any], search: str, trials: Any, seed: int,
+          problems: list[RLMergeError]) -> tuple[list[Candidate], list[Space] | None]:
+    """(the candidates to check before any weight is read, the search's spaces or None for a grid): a grid's every
+    candidate; a search's spaces, each at its first values (its other values were checked by the method already)."""
+    if search == "grid":
+        if trials is not None:
+            problems.append(ConfigError(f"--trials {trials}: a grid tries every candidate; --trials counts a "
+                                        "search's", hint="add --search tpe (or random, cmaes), or leave --trials out"))
+        grids = [c for c in candidates if not isinstance(c, Candidate)]  # a recipe's candidates come parsed
+        return check([*(c for c in candidates if isinstance(c, Candidate)),
+                      *(parse_all(grids, seed=seed) if grids else [])]), None
+    if search not in ("random", "tpe", "cmaes"):
+        raise ConfigError(f"--search {search!r}", hint="grid (default), random, tpe or cmaes")
+    if any(isinstance(c, Candidate) for c in candidates):
+        raise ConfigError("a search samples from spaces: give them as strings or mappings, not Candidate objects")
+    spaces = parse_spaces(list(candidates), seed=seed)
+    from .search import check as search_check  # Optuna is imported only for a search (the ``search`` extra)
+
+    problems += search_check(search, spaces, trials)
+    return [sp.candidate(sp.first()) for sp in spaces], spaces
+
+
+class _Run:
+    """A sweep's candidates as they are built and scored: ``scored`` by id, their ``order`` in results.json, the
+    study of a search; ``evaluate`` builds and scores candidates here or on Ray and records each as it finishes."""
+
+    def __init__(self, ctx: Context, cache: StatsCache, folder: SweepDir | None, doc: dict[str, Any], *,
+                 backend: str, workers: int | None, on_result: Callable[[Scored], None] | None) -> None:
+        self.ctx, self.cache, self.folder, self.doc = ctx, cache, folder, doc
+        self.backend, self.workers, self.on_result = backend, workers, on_result
+        self.scored: dict[str, Scored] = {}
+        self.order: list[Candidate] = []
+        self.study: Any = None
+
+    def save(self) -> None:
+        self.doc["candidates"] = [self.scored[c.id].to_json(self.doc["examples"]) for c in self.order
+                                  if c.id in self.scored]
+        if self.study is not None:
+            self.doc["trials"] = self.study.to_json()
+        if self.folder is not None:
+            self.folder.write(RESULTS, dump(self.doc))
+
+    def record(self, s: Scored) -> None:
+        self.scored[s.candidate.id] = s
+        if all(c.id != s.candidate.id for c in self.order):
+            self.order.append(s.candidate)
+        self.save()
+        if self.folder is not None:
+            self.cache.save()
+        if self.on_result is not None:
+            self.on_result(s)
+
+    def evaluate(self, todo: Sequence[Candidate], scorer: Scorer | None,
+                 done: Callable[[Scored], None] | None = None, *, record: bool = True) -> None:
+        """Build and score ``todo``; ``record`` each (results.json), then ``done(scored)``."""
+        def finished(s: Scored) -> None:
+            if record:
+                self.record(s)
+            if done is not None:
+                done(s)
+
+        if self.backend == "ray":
+            from .distributed import score_on_ray  # Ray is imported only here (the ``ray`` extra)
+
+            score_on_ray(self.ctx, list(todo), scorer, self.cache, finished, workers=self.workers)
+        else:
+            for c in todo:
+                finished(build_and_score(self.ctx, c, scorer, self.cache))
+
+
+def _search(run: _Run, spaces: list[Space], kind: str, scorer: Scorer | None, *, seed: int, trials: int) -> None:
+    """Ask, score and tell ``trials`` trials (search.py); the candidates in results.json in the order first asked."""
+    from . import search
+
+    run.study = study = search.Study(spaces, kind, seed=seed, folder=run.folder)
+    batch = 1
+    if run.backend == "ray":
+        from .distributed import slots
+
+        batch = run.workers or slots(run.ctx)
+    run.doc["search"] = {"kind": kind, "trials": trials, "seed": seed, "batch": batch,
+                         "spaces": [sp.text for sp in spaces]}
+    for cid in study.candidates():  # an earlier run's trials, in order
+        if cid in run.scored and all(c.id != cid for c in run.order):
+            run.order.append(run.scored[cid].candidate)
+
+    def asked(a: search.Asked) -> None:
+        if a.candidate is not None and all(c.id != a.candidate.id for c in run.order):
+            run.order.append(a.candidate)
+
+    def evaluate(todo: list[Candidate], done: Callable[[Scored], None]) -> None:
+        def told(s: Scored) -> None:
+            done(s)
+            run.save()  # the trial's state, now told
+
+        run.evaluate(todo, scorer, told)
+
+    search.run(study, trials, batch, known=run.scored.get, evaluate=evaluate, on_asked=asked)
+    run.order = [c for c in run.order if c.id in run.scored]
+    run.save()
 
 
 class NothingScored(InputError):
@@ -201,55 +319,6 @@ def _check(base: Any, agents: Sequence[Any], cands: list[Candidate], options: di
     return first
 
 
-# -- results.json -------------------------------------------------------------------------------------------
-def _new_doc(pf: Preflight, cands: list[Candidate], settings: Mapping[str, Any] | None,
-             options: dict[str, Any]) -> dict[str, Any]:
-    assert pf.match is not None and pf.base is not None
-    fixed = {"inputs": inputs_key(pf.match), "settings": dict(settings or {}),
-             "dtype": str(pf.out_dtype) if pf.out_dtype else None, "device": device_type(options["device"])}
-    return {"schema": SCHEMA, "version": 1, "rlmerge_version": __version__,
-            "fingerprint": json.dumps(fixed, sort_keys=True, default=str),
-            "base": pf.base.label, "agents": [a.label for a in pf.match.agents],
-            "settings": dict(settings or {}), "planned": [c.to_json() for c in cands], "candidates": [],
-            "examples": {}}  # per-example samples' ids, shared by the candidates scored on them (scores.py)
-
-
-def _dump(doc: dict[str, Any]) -> bytes:
-    return (json.dumps(doc, indent=2, default=str) + "\n").encode()
-
-
-def _resumed(folder: SweepDir, doc: dict[str, Any], cands: list[Candidate]) -> dict[str, Scored]:
-    """The candidates an earlier run of this sweep finished (its results.json), after checking it is this sweep."""
-    raw = folder.read(RESULTS)
-    if raw is None:
-        return {}
-    try:
-        old = json.loads(raw)
-    except ValueError:
-        return {}
-    if not isinstance(old, dict) or old.get("schema") != SCHEMA or old.get("fingerprint") != doc["fingerprint"]:
-        raise OutputError("the sweep in this folder was run on other inputs or with other scoring settings",
-                          file=str(folder.path / RESULTS),
-                          hint="resume with the same models, tasks and options, or pass --force to start over")
-    planned = {c.id: c for c in cands}
-    examples = old.get("examples") or {}
-    out = {}
-    records = old.get("candidates")
-    for rec in records if isinstance(records, list) else []:
-        c = planned.get(rec.get("id")) if isinstance(rec, dict) else None
-        if c is None or rec.get("error") is not None:  # a candidate the scorer failed on is scored again
-            continue
-        try:
-            details = {k: make(v, task=k, where=RESULTS)
-                       for k, v in details_from_json(dict(rec["scores"]), rec.get("details"), examples).items()}
-            out[c.id] = Scored(c, {k: v.score for k, v in details.items()}, str(rec["where"]),
-                               float(rec["merge_seconds"]), float(rec["score_seconds"]),
-                               [str(p) for p in rec["passes"]], int(rec["read_bytes"]), rec.get("lambdas"), details)
-        except (AttributeError, KeyError, TypeError, ValueError, RLMergeError):
-            continue  # a record this rlmerge cannot read back (an older one's, or edited): the candidate is redone
-    return out
-
-
 def _summary(ordered: list[Scored], doc: dict[str, Any], *, output: Path | None) -> SweepResult:
     """Rank: scored candidates by average, then those without scores (no scorer), then those the scorer failed on."""
     scored = [s for s in ordered if s.scores]
@@ -260,6 +329,52 @@ def _summary(ordered: list[Scored], doc: dict[str, Any], *, output: Path | None)
     doc["ranking"] = [s.candidate.id for s in ranking]
     doc["pareto"] = [scored[i].candidate.id for i in front]
     return SweepResult(ordered, ranking, [scored[i] for i in front], output=output)
+
+
+def _noise(result: SweepResult, doc: dict[str, Any], *, seed: int) -> None:
+    """Each candidate's interval and its difference from the best (noise.py), in results.json and the result."""
+    ranked = [s for s in result.ranking if s.scores]
+    if not ranked:
+        return
+    best = ranked[0]
+    verdicts = dict(zip([s.candidate.id for s in ranked[1:]],
+                        compare(best.details, [s.details for s in ranked[1:]], seed=seed)))
+    for rec in doc["candidates"]:
+        s = next((x for x in ranked if x.candidate.id == rec["id"]), None)
+        if s is not None:
+            rec["interval"] = average_interval(s.details)
+            rec["vs_best"] = verdicts.get(s.candidate.id)
+    same = [s for s in ranked[1:] if (verdicts.get(s.candidate.id) or {}).get("indistinguishable")]
+    known = any(v is not None for v in verdicts.values())
+    result.indistinguishable = [best, *same] if known else []
+    doc["indistinguishable"] = [s.candidate.id for s in result.indistinguishable]
+    doc["noise"] = {"level": 0.95, "draws": DRAWS, "seed": seed,
+                    "how": sorted({v["how"] for v in verdicts.values() if v is not None})}
+
+
+def _confirm(run: _Run, result: SweepResult, scorer: Scorer, top: int,
+             earlier: dict[str, Scored]) -> dict[str, Scored]:
+    """The best ``top`` candidates scored again by ``scorer`` (a held-out split), an earlier run's kept; results.json's
+    ``confirmed``: each one's search and confirmed average, and the gap between them (the winner's curse)."""
+    best = [s for s in result.ranking if s.error is None and s.scores][:top]
+    out = {s.candidate.id: earlier[s.candidate.id] for s in best if s.candidate.id in earlier}
+    todo = [s.candidate for s in best if s.candidate.id not in out]
+
+    def done(s: Scored) -> None:
+        out[s.candidate.id] = s
+
+    run.evaluate(todo, scorer, done, record=False)
+    doc = run.doc
+    doc["confirmed"] = []
+    for s in best:
+        c = out[s.candidate.id]
+        gap = None if c.average is None or s.average is None else s.average - c.average
+        doc["confirmed"].append({"id": s.candidate.id, "search_average": s.average, "scores": c.scores,
+                                 "average": c.average, "gap": gap, "interval": average_interval(c.details),
+                                 "details": details_json(c.details, doc["examples"]),
+                                 "merge_seconds": round(c.merge_seconds, 3), "score_seconds": round(c.score_seconds, 3),
+                                 **({"error": c.error} if c.error is not None else {})})
+    return {s.candidate.id: out[s.candidate.id] for s in best}
 
 
 def _tie(average: float) -> float:

@@ -43,6 +43,7 @@ from typing import Any
 from .._torch import torch
 from ..errors import InputError, RLMergeError, raise_all
 from .checkpoint import Checkpoint, TensorInfo
+from .vocab import EMBEDDING_SUFFIXES
 
 PREFIX = "base_model.model."
 TILE = 1 << 16  # elements per tile of τ: fixed per tensor, so a value never depends on the block size
@@ -187,6 +188,7 @@ class LoraAdapter(Checkpoint):
                 problems.append(InputError(f"LoRA product is {list(mod.shape)} but the base stores "
                                            f"{list(info.shape)} {info.dtype}", file=where, tensor=name,
                                            hint="pass the base model this adapter was trained on"))
+        self._drop_tied_head(base)
         for name, full in self._full.items():
             info = base.tensors.get(name)
             if name in self._modules and problems:
@@ -215,6 +217,21 @@ class LoraAdapter(Checkpoint):
             "only where one agent alone adapted. Recommended: task_arithmetic or ties for LoRA agents; RAM / RAM+ "
             "only where the agents adapted different modules (see the per-module densities)")
         return []
+
+    def _drop_tied_head(self, base: Checkpoint) -> None:
+        """PEFT's ``ensure_weight_tying`` over a base that ties its output head to its embeddings saves the head's
+        full tensor beside the embedding's: one tensor under two names (the tie holds in PEFT's model), while the
+        base stores only the embedding. The head's copy says nothing the embedding does not: it is dropped here.
+        Without ``ensure_weight_tying`` the two copies are trained apart, which such a base cannot hold: refused
+        below (the head is "missing from the base")."""
+        if not (self.adapter_config.get("ensure_weight_tying") is True and base.tie_word_embeddings):
+            return
+        for name in [n for n in self._full if n.endswith("lm_head.weight") and n not in base.tensors]:
+            head = self._full[name]
+            twin = [e for n, e in self._full.items() if n.endswith(EMBEDDING_SUFFIXES) and n in base.tensors
+                    and e.shape == head.shape and e.dtype == head.dtype]
+            if len(twin) == 1:
+                del self._full[name]
 
     def _note_fan_in_fan_out(self) -> None:
         """PEFT's warning where ``fan_in_fan_out`` disagrees with a layer's class (the class wins, as in PEFT)."""

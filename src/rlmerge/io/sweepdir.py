@@ -7,7 +7,11 @@ removed). The rules of ``partial.py`` hold here too:
 
 - the folder never is, contains or lies inside an input, and is never reached through a link;
 - ``rlmerge-sweep.json`` lists every file written here with its size and CRC-32; a file is written beside its
-  name and renamed onto it, so a crash leaves the old file or the new one, never half of one;
+  name and renamed onto it, so a crash leaves the old file or the new one, never half of one. The one exception is
+  a search's study (``study.journal``, Optuna's journal: engine/search.py), which Optuna appends to: it is created
+  here (never through a link), recorded after every operation the search completes, marked ``append``, and proven
+  by the prefix recorded; what follows that prefix (an operation appended just before a crash, not yet recorded)
+  is cut when the sweep is resumed, which returns the study to its last recorded state;
 - an existing folder is continued (``resume``) or started over (``force``) only when everything in it is
   rlmerge's: listed files unchanged, checkpoint folders that ``partial.not_ours`` proves rlmerge's; nothing else
   is ever deleted or replaced. Every manifest here (``rlmerge-sweep.json``, each checkpoint's ``rlmerge.json``)
@@ -41,6 +45,7 @@ from .partial import (
     listed_problem,
     not_ours,
     remove_listed,
+    reopen_file,
     take_lock,
     target,
 )
@@ -65,6 +70,7 @@ class SweepDir:
         self.inputs, self.resume, self.force = list(inputs), resume, force
         self.files: dict[str, dict[str, int]] = {}  # name (cache/x.npz for the cache) → {"bytes", "crc32"}
         self._lock_fd: int | None = None
+        self._cut: dict[str, int] = {}  # append-only files proven by a prefix: name → the recorded size
 
     # -- claiming -------------------------------------------------------------------------------------------
     def problems(self) -> list[RLMergeError]:
@@ -122,7 +128,12 @@ class SweepDir:
             elif _PARTIAL.fullmatch(name) and p.is_dir() and not p.is_symlink():
                 continue  # an interrupted checkpoint: partial.py's rules decide before it is reused
             elif name in listed and not p.is_symlink() and p.is_file():
-                if not _same(p, listed[name]):
+                rec = listed[name]
+                if _same(p, rec):
+                    continue
+                if isinstance(rec, dict) and rec.get("append") and _same_prefix(p, rec):
+                    self._cut[name] = int(rec["bytes"])  # appended after its last record: cut on resume
+                else:
                     changed.append(name)
             else:
                 foreign.append(name)
@@ -140,6 +151,10 @@ class SweepDir:
             self._lock()
             if self.force:
                 self._start_over()
+            else:
+                for name, size in self._cut.items():  # proven by their recorded prefix (``_foreign``)
+                    with reopen_file(self.path, name) as fh:
+                        fh.truncate(size)
             (self.path / CACHE).mkdir(exist_ok=True)
         except OSError as e:
             self._unlock()
@@ -183,6 +198,26 @@ class SweepDir:
         self.files[name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
         self._save_manifest()
         return dest
+
+    def appended(self, name: str) -> Path:
+        """A file that another writer appends to here (Optuna's journal), created empty when missing (never through a
+        link) and recorded; call ``adopt`` after each complete append."""
+        if name not in self.files or not os.path.lexists(self.path / name):  # new, or lost since: started afresh
+            with create_file(self.path, name):
+                pass
+        self.adopt(name)
+        return self.path / name
+
+    def adopt(self, name: str) -> None:
+        """Record ``name`` (see ``appended``) as it is now: its size and CRC-32, marked append-only."""
+        p = self.path / name
+        try:
+            size = p.lstat().st_size
+            crc = file_crc32(p)
+        except OSError as e:
+            raise disk_error(e, p) from e
+        self.files[name] = {"bytes": size, "crc32": crc, "append": True}
+        self._save_manifest()
 
     def read(self, name: str) -> bytes | None:
         """A file this folder's manifest lists, unchanged since rlmerge wrote it; else None."""
@@ -267,6 +302,23 @@ def _same(p: Path, rec: Any) -> bool:
         return False
     return (isinstance(rec, dict) and stat.S_ISREG(st.st_mode) and st.st_size == rec.get("bytes")
             and file_crc32(p) == rec.get("crc32"))
+
+
+def _same_prefix(p: Path, rec: dict[str, Any]) -> bool:
+    """Whether regular file ``p`` starts with the bytes ``rec`` records (size and CRC-32) and has more."""
+    size = rec.get("bytes")
+    try:
+        st = p.lstat()
+        if not isinstance(size, int) or not stat.S_ISREG(st.st_mode) or st.st_size <= size:
+            return False
+        crc, left = 0, size
+        with open(p, "rb") as f:
+            while left and (chunk := f.read(min(left, 1 << 20))):
+                crc = zlib.crc32(chunk, crc)
+                left -= len(chunk)
+    except OSError:
+        return False
+    return left == 0 and crc == rec.get("crc32")
 
 
 def _read_json(p: Path) -> Any:

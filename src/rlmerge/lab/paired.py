@@ -12,9 +12,10 @@ Two intervals, for two questions:
 
 from __future__ import annotations
 
-import random
 import statistics
 from collections.abc import Mapping, Sequence
+
+from rlmerge.engine.noise import paired_bootstrap
 
 # Two-sided 95 % Student-t quantiles t_{0.975, df} for df = 1 … 30 (standard tables).
 T975 = (
@@ -86,21 +87,10 @@ def bootstrap_difference(
 ) -> tuple[float, float, float]:
     """(difference, low, high) in points: paired bootstrap over test examples of avg(a) − avg(b).
 
-    `a[family]` and `b[family]` are the 0/1 scores of the same examples in the same order.
+    `a[family]` and `b[family]` are the 0/1 scores of the same examples in the same order. The sweep's
+    implementation (`rlmerge.engine.noise.paired_bootstrap`, which the lab's began as), in points.
     """
-    families = sorted(a)
-    for f in families:
-        if len(a[f]) != len(b[f]) or not a[f]:
-            raise ValueError(f"family {f}: the two rows must score the same, non-empty list of examples")
-    diff = [[x - y for x, y in zip(a[f], b[f], strict=True)] for f in families]
-    point = 100.0 * statistics.fmean(statistics.fmean(d) for d in diff)
-    rng = random.Random(seed)
-    stats = []
-    for _ in range(draws):
-        per_family = [statistics.fmean(rng.choices(d, k=len(d))) for d in diff]
-        stats.append(100.0 * statistics.fmean(per_family))
-    stats.sort()
-    return point, stats[int(0.025 * draws)], stats[int(0.975 * draws) - 1]
+    return paired_bootstrap(a, [b], draws=draws, seed=seed, scale=100.0)[0]
 
 
 def markdown_pairs(rows: Sequence[Mapping[str, object]], *, how: str) -> str:

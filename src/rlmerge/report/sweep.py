@@ -1,6 +1,8 @@
-"""A sweep's results → ``report.md`` (per-task table, average, Pareto set, cost) and ``plot.png``.
+"""A sweep's results → ``report.md`` (per-task table, average with its interval, the candidates indistinguishable
+from the best, the Pareto set, confirmed scores, the search's trials, cost) and ``plot.png``.
 
-Reads the sweep's ``results.json`` document only (engine/sweep.py writes it).
+Reads the sweep's ``results.json`` document only (engine/sweep.py writes it; engine/noise.py says how the
+intervals and the indistinguishable set are computed).
 """
 
 from __future__ import annotations
@@ -30,6 +32,70 @@ def _fmt(v: Any) -> str:
     return "—" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
+def _interval(iv: Mapping[str, float] | None) -> str:
+    return "—" if not iv else f"[{iv['low']:.2f}, {iv['high']:.2f}]"
+
+
+def _noise_section(doc: dict[str, Any], by_id: dict[str, Any]) -> list[str]:
+    """Which candidates the scores cannot tell from the best (``=`` in the table), and how that was decided."""
+    same = doc.get("indistinguishable") or []
+    ranking = [cid for cid in doc.get("ranking", []) if by_id[cid].get("average") is not None]
+    if not ranking:
+        return []
+    noise = doc.get("noise") or {}
+    lines = ["", "## Indistinguishable from the best", ""]
+    if not same:
+        return lines + ["Nothing is known of these scores' noise (no standard errors, no per-example results), so "
+                        "no candidate can be said to be indistinguishable from the best, nor better than another."]
+    how = " and ".join(noise.get("how") or [])
+    lines += [f"{len(same)} candidate(s) (`=` above): the best, and those whose 95 % interval of (best − candidate) "
+              "average score contains 0 " + (f"({how}; " if how else "(") + f"{noise.get('draws')} bootstrap draws, "
+              f"seed {noise.get('seed')}, where paired). The scores do not say which of these is best.", "",
+              "| candidate | average | best − candidate | 95 % interval | how |", "|---|---:|---:|---:|---|"]
+    for cid in ranking:
+        c, v = by_id[cid], by_id[cid].get("vs_best")
+        if cid == ranking[0]:
+            lines.append(f"| `{c['label']}` | {_fmt(c['average'])} | (best) | | |")
+        elif v is not None:
+            mark = "" if v["indistinguishable"] else " (worse)"
+            lines.append(f"| `{c['label']}` | {_fmt(c['average'])} | {v['difference']:.2f} | "
+                         f"[{v['low']:.2f}, {v['high']:.2f}]{mark} | {v['how']} |")
+    return lines
+
+
+def _confirmed_section(doc: dict[str, Any], by_id: dict[str, Any]) -> list[str]:
+    """The best candidates scored again on the held-out split: search score, confirmed score, the gap."""
+    rows = doc.get("confirmed")
+    if not rows:
+        return []
+    split = ((doc.get("confirm") or {}).get("settings") or {}).get("split", "the held-out split")
+    lines = ["", f"## Confirmed on {split}", "",
+             f"The best {len(rows)} scored again on {split}: the search chose on its own scores, so they are biased "
+             "upwards (the winner's curse); the gap is search − confirmed.", "",
+             "| candidate | search average | confirmed average | 95 % interval | gap |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        confirmed = "failed: " + " ".join(str(r["error"]).split()) if r.get("error") else _fmt(r["average"])
+        lines.append(f"| `{by_id[r['id']]['label']}` | {_fmt(r['search_average'])} | {confirmed} | "
+                     f"{_interval(r.get('interval'))} | {_fmt(r.get('gap'))} |")
+    return lines
+
+
+def _search_section(doc: dict[str, Any]) -> list[str]:
+    search, trials = doc.get("search"), doc.get("trials") or []
+    if not search:
+        return []
+    states = {s: sum(t["state"] == s for t in trials) for s in dict.fromkeys(t["state"] for t in trials)}
+    done = [t for t in trials if t.get("value") is not None]
+    best = max(done, key=lambda t: t["value"], default=None)
+    lines = ["", "## Search", "",
+             f"`{search['kind']}` (Optuna), seed {search['seed']}, {len(trials)} trials ("
+             + ", ".join(f"{n} {s}" for s, n in states.items()) + f"), asked {search.get('batch', 1)} at a time, over:",
+             "", *(f"- `{sp}`" for sp in search["spaces"])]
+    if best is not None:
+        lines += ["", f"The best average was first reached at trial {best['number'] + 1} of {len(trials)}."]
+    return lines
+
+
 def to_markdown(doc: dict[str, Any], *, plot: bool) -> str:
     """The report: inputs, the ranking table (one column per task, the average), the Pareto set, the cost."""
     by_id = {c["id"]: c for c in doc["candidates"]}
@@ -42,18 +108,27 @@ def to_markdown(doc: dict[str, Any], *, plot: bool) -> str:
     if settings:
         lines += ["Settings: " + ", ".join(f"`{k}={v}`" for k, v in settings.items()) + ".", ""]
     failed = [c for c in by_id.values() if c.get("error") is not None]
-    lines += [f"## Candidates, best average first ({len(by_id) - len(failed)} of {len(doc.get('planned', by_id))} "
-              f"scored{f', {len(failed)} failed' if failed else ''})", "",
-              "| rank | candidate | " + "".join(f"{t} | " for t in tasks) + "average | Pareto | kept | built in |"
-              " merge s | score s |",
-              "|---:|---|" + "---:|" * len(tasks) + "---:|:-:|---|---|---:|---:|"]
+    same = set(doc.get("indistinguishable") or [])
+    search = doc.get("search")
+    of = (f"scored, from {len(doc.get('trials') or [])} trials of a {search['kind']} search" if search
+          else f"of {len(doc.get('planned', by_id))} scored")
+    lines += [f"## Candidates, best average first ({len(by_id) - len(failed)} {of}"
+              f"{f', {len(failed)} failed' if failed else ''})", "",
+              "| rank | candidate | " + "".join(f"{t} | " for t in tasks) + "average | 95 % interval | ≈ best | "
+              "Pareto | kept | built in | merge s | score s |",
+              "|---:|---|" + "---:|" * len(tasks) + "---:|---:|:-:|:-:|---|---|---:|---:|"]
     for rank, cid in enumerate(doc.get("ranking", []), 1):
         c = by_id[cid]
         average = "failed" if c.get("error") is not None else _fmt(c["average"])
         cells = [str(rank), f"`{c['label']}`", *(_fmt(c["scores"].get(t)) for t in tasks), average,
-                 "★" if cid in front else "", kept.get(cid, ""), c["where"], f"{c['merge_seconds']:.1f}",
-                 f"{c['score_seconds']:.1f}"]
+                 _interval(c.get("interval")), "=" if cid in same else "", "★" if cid in front else "",
+                 kept.get(cid, ""), c["where"], f"{c['merge_seconds']:.1f}", f"{c['score_seconds']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "The 95 % interval is the average ± 1.96 standard errors (each task's standard error, tasks taken "
+              "as independent); — where a task's is unknown."]
+    lines += _noise_section(doc, by_id)
+    lines += _confirmed_section(doc, by_id)
+    lines += _search_section(doc)
     lines += ["", "## Pareto set", "",
               "Candidates no other beats on every task (≥ everywhere, > somewhere):", ""]
     lines += [f"- `{by_id[cid]['label']}`: " + ", ".join(f"{t} {_fmt(by_id[cid]['scores'].get(t))}" for t in tasks)
@@ -90,20 +165,33 @@ def figure(doc: dict[str, Any]) -> Any:
     axes = fig.subplots(1, 2 if two else 1, squeeze=False)[0]
     ax = axes[0]
     colors = ["#d95f02" if c["id"] in front else "#7570b3" for c in ranked]
-    ax.barh(range(len(ranked)), [c["average"] for c in ranked], color=colors)
+    same = set(doc.get("indistinguishable") or [])
+    half = [(c["average"] - c["interval"]["low"]) if c.get("interval") else 0.0 for c in ranked]
+    bars = ax.barh(range(len(ranked)), [c["average"] for c in ranked], color=colors,
+                   xerr=half if any(half) else None, error_kw={"elinewidth": 0.8, "capsize": 2})
+    for bar, c in zip(bars, ranked):
+        if c["id"] in same:
+            bar.set_hatch("///")
     ax.set_yticks(range(len(ranked)), [_short(c["label"]) for c in ranked], fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("average score (orange: Pareto set)")
+    ax.set_xlabel("average score ± 1.96 stderr (orange: Pareto set; hatched: indistinguishable from the best)")
     if two:
         ax2 = axes[1]
         x, y = tasks[0], tasks[1]
         for c in ranked:
             if x in c["scores"] and y in c["scores"]:
-                ax2.scatter(c["scores"][x], c["scores"][y], color="#d95f02" if c["id"] in front else "#7570b3")
+                ax2.errorbar(c["scores"][x], c["scores"][y], xerr=_half(c, x), yerr=_half(c, y), fmt="o",
+                             color="#d95f02" if c["id"] in front else "#7570b3", elinewidth=0.6, capsize=1.5)
                 ax2.annotate(_short(c["label"]), (c["scores"][x], c["scores"][y]), fontsize=6)
-        ax2.set_xlabel(x)
+        ax2.set_xlabel(f"{x} (± 1.96 stderr where known)")
         ax2.set_ylabel(y)
     return fig
+
+
+def _half(c: Mapping[str, Any], task: str) -> float | None:
+    """Half the 95 % error bar of a candidate's score on ``task``: 1.96 standard errors (None where unknown)."""
+    se = ((c.get("details") or {}).get(task) or {}).get("stderr")
+    return None if se is None else 1.96 * se
 
 
 def _short(label: str, most: int = PLOT_LABEL) -> str:

@@ -30,7 +30,7 @@ the end of its stderr, output that is not a score, a time-out); a setting that c
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal, Protocol
 
@@ -133,6 +133,23 @@ class TaskScorer:
             out["packages"] = packages  # the benchmarks' data and checker come with their version
         return out
 
+    def held_out(self, split: str) -> TaskScorer:
+        """This scorer on ``split`` (``--confirm``): refused where a scorer has no other split to score (an lm-eval
+        task scores its own split; a ``py:`` function without a ``split`` parameter), or ``split`` is this one's."""
+        from .pyfunc import PyFunction
+
+        if split == self.split:
+            raise ConfigError(f"--confirm {split}: the candidates are chosen on {split} already",
+                              hint="confirm on the other split (--split val --confirm test)")
+        cannot = [s for s in self.specs if s.startswith("lm-eval:")]
+        cannot += [f"py:{p.spec}" for p in self.parts if isinstance(p, PyFunction) and not p.takes_split]
+        if cannot:
+            raise ConfigError(f"--confirm {split}: {', '.join(cannot)} cannot score a held-out split",
+                              hint="an lm-eval task scores the split its YAML names (give a held-out task, or run "
+                                   "lm_eval from a cmd: scorer that reads {split}); a py: function takes a split "
+                                   "parameter")
+        return replace(self, split=split)
+
     def __call__(self, built: Built) -> dict[str, TaskScore]:
         found: dict[int, dict[str, TaskScore]] = {}
         with Subject(built) as subject:
@@ -193,7 +210,7 @@ def _parts(tasks: Sequence[str], o: Options) -> tuple[list[str], list[Part]]:
         elif kind == "cmd":
             parts.append(Command(rest, o))
         else:
-            parts.append(PyFunction(rest))
+            parts.append(PyFunction(rest, o.split))
     if harness:
         try:
             lm_eval: Part = LmEval(harness, o)

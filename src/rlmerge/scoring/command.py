@@ -2,10 +2,11 @@
 
 The command is split like a shell line (``shlex``) and run without a shell (write ``sh -c '…'`` for one), in its
 own process group, in ``cmd_cwd`` (default: the current folder), with this process's environment plus ``cmd_env``
-and ``RLMERGE_MODEL`` (the folder), ``RLMERGE_CANDIDATE`` (the candidate's id) and, when used, ``RLMERGE_OUTPUT``.
-In each argument ``{model}`` (required) becomes the candidate's checkpoint folder (a candidate built in memory is
-written to a temporary one, removed after), ``{output}`` a fresh empty folder for the command's files (removed
-after), ``{limit}`` and ``{seed}`` the sweep's.
+and ``RLMERGE_MODEL`` (the folder), ``RLMERGE_CANDIDATE`` (the candidate's id), ``RLMERGE_SPLIT`` and, when used,
+``RLMERGE_OUTPUT``. In each argument ``{model}`` (required) becomes the candidate's checkpoint folder (a candidate
+built in memory is written to a temporary one, removed after), ``{output}`` a fresh empty folder for the command's
+files (removed after), ``{limit}`` and ``{seed}`` the sweep's, ``{split}`` the split to score (``val`` while the
+sweep chooses, the held-out one under ``--confirm``: a command that ignores it scores the same data twice).
 
 What it reports, one of:
 
@@ -45,7 +46,7 @@ from .subject import Subject
 STDOUT_LIMIT = 64 * 2**20  # bytes of stdout read: a JSON of scores with every example's result fits
 STDERR_TAIL = 16 * 2**10  # bytes of stderr kept (its end: where a traceback is)
 SHOWN_TAIL = 2000  # characters of that tail in the error's message
-PLACEHOLDERS = ("{model}", "{output}", "{limit}", "{seed}")
+PLACEHOLDERS = ("{model}", "{output}", "{limit}", "{seed}", "{split}")
 
 
 class _Reader(threading.Thread):
@@ -122,9 +123,10 @@ class Command:
         try:
             folder = subject.folder()
             values = {"{model}": str(folder), "{output}": str(output or ""), "{limit}": str(self.options.limit),
-                      "{seed}": str(self.options.seed)}
+                      "{seed}": str(self.options.seed), "{split}": self.options.split}
             argv = [_substitute(a, values) for a in self.argv]
             env = self._env({"RLMERGE_MODEL": str(folder), "RLMERGE_CANDIDATE": subject.id,
+                             "RLMERGE_SPLIT": self.options.split,
                              **({"RLMERGE_OUTPUT": str(output)} if output is not None else {})})
             stdout, stderr = self._run(argv, env, subject.id)
             if output is not None:

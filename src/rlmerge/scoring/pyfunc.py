@@ -4,9 +4,13 @@ is a number, a ``rlmerge.TaskScore`` or ``{"score", "stderr", "n", "samples", "i
 
 ``MODULE`` is a module importable by name (on ``PYTHONPATH``: the ``rlmerge`` command does not put the current
 folder there) or the path of a ``.py`` file (``py:evals/mine.py:score``, loaded once, under a private name).
-``FUNCTION`` may be dotted (``Scorers.bfcl``). The function is looked up when the sweep starts (a missing module or
-name is a configuration error) and again in each process that scores (a Ray worker imports it by name: a file
+``FUNCTION`` may be dotted (``Scorers.bfcl``). The function is looked up when the sweep starts (a missing module
+or name is a configuration error) and again in each process that scores (a Ray worker imports it by name: a file
 must be on a filesystem it sees). An exception it raises is a ScorerError on that candidate.
+
+A function with a ``split`` parameter (or ``**kwargs``) is called ``FUNCTION(built, split=...)``: ``--split``
+(``val``) while the sweep chooses, the held-out split under ``--confirm``; one without it cannot be confirmed (it
+would score the same data twice).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +35,7 @@ class PyFunction:
     """One ``py:`` scorer (see the module docstring)."""
 
     spec: str  # MODULE:FUNCTION, as given after "py:"
+    split: str = "val"  # given to a function that takes ``split`` (see the module docstring)
     _fn: Callable[..., Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -67,10 +73,20 @@ class PyFunction:
             self._fn = obj
         return self._fn
 
+    @property
+    def takes_split(self) -> bool:
+        """Whether the function has a ``split`` parameter (or takes any keyword)."""
+        try:
+            params = inspect.signature(self.function()).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature
+            return False
+        return any(p.name == "split" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
     def score(self, subject: Subject) -> dict[str, TaskScore]:
         where = f"py:{self.spec} on candidate {subject.id}"
         try:
-            values = self.function()(subject.built)
+            fn = self.function()
+            values = fn(subject.built, split=self.split) if self.takes_split else fn(subject.built)
         except RLMergeError:
             raise
         except Exception as e:
