@@ -21,8 +21,9 @@ from .._torch import torch
 from ..errors import ConfigError
 from ..stats import TensorStats
 from ..stream.blocks import row_length
+from .interface import BlockContext
 from .rule import Expr, Terms
-from .spec import BlockContext, MethodSpec
+from .spec import MethodSpec
 
 
 @dataclass(frozen=True)
