@@ -29,11 +29,15 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from rlmerge.lab.model import save_bf16
-from rlmerge.lab.tasks import Example, make_family, make_split
+from rlmerge.lab.tasks import Example, held_out_split
 from rlmerge.lab.tokenizer import load_tokenizer
 from rlmerge.lab.views import Kind, TaskView, task_view
 
 Precision = Literal["fp32-master", "bf16-pure"]
+# shaped: the family's partial-credit reward (well-formed answers earn some); strict: the test scorer's 0/1
+# (only a verified answer earns anything); graded: the family's finer partial credit where it has one (tool
+# use: per argument), for a skill the policy's samples rarely get whole.
+Reward = Literal["shaped", "strict", "graded"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class GRPOSettings:
     temperature: float = 1.0
     beta: float = 0.0  # no KL term and so no reference model: TRL's default, and half the compute
     precision: Precision = "fp32-master"
+    reward: Reward = "shaped"
 
 
 @torch.no_grad()
@@ -66,9 +71,44 @@ class Bf16Storage(TrainerCallback):
             round_to_bf16_(model)
 
 
-def reward_function(family_name: str, view: TaskView | None = None) -> Any:
-    """A TRL reward function: (prompts, completions, **dataset columns) -> one float per completion."""
-    reward_one = view.reward if view is not None else make_family(family_name).reward
+class DensityTrace(TrainerCallback):
+    """After each optimizer step, the share of elements the saved (bf16) agent would have changed so far.
+
+    The density the agent will have, measured as the lab measures it (|bf16(θ) − θ₀| > ε in float32, every
+    parameter once, tied ones once), at every step of one run: how density grows with steps at a given lr,
+    which is how per-agent lr × steps are chosen (docs/lab.md, "uneven agents"). Read-only: training is
+    unchanged.
+    """
+
+    def __init__(self, model: torch.nn.Module, epsilon: float = 1e-5) -> None:
+        self.base = [p.detach().to(torch.bfloat16).float() for p in model.parameters()]
+        self.total = sum(b.numel() for b in self.base)
+        self.epsilon = epsilon
+        self.trace: list[float] = []  # density in % after step 1, 2, …
+
+    @torch.no_grad()
+    def on_optimizer_step(
+        self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None, **_: Any
+    ) -> None:
+        if model is None:
+            return
+        changed = sum(
+            int(((p.detach().to(torch.bfloat16).float() - b).abs() > self.epsilon).sum())
+            for p, b in zip(model.parameters(), self.base, strict=True)
+        )
+        self.trace.append(100.0 * changed / self.total)
+
+
+def reward_function(family_name: str, view: TaskView | None = None, mode: Reward = "shaped") -> Any:
+    """A TRL reward function: (prompts, completions, **dataset columns) -> one float per completion.
+
+    `mode` "strict" rewards with the family's 0/1 test scorer, "graded" with its finer partial credit.
+    """
+    view = view if view is not None else task_view("word", family_name, None)  # type: ignore[arg-type]
+    reward_one = {"shaped": view.reward, "strict": view.score, "graded": view.graded}[mode]
+    if reward_one is None:
+        raise ValueError(f"GRPO reward {mode!r}: task family {family_name!r} has no graded reward; "
+                         "use shaped or strict")
 
     def reward(prompts: list[str], completions: list[str], check: list[str], **_: Any) -> list[float]:
         examples = [Example(family_name, p, "", json.loads(c)) for p, c in zip(prompts, check, strict=True)]
@@ -89,16 +129,26 @@ def load_for_training(base_dir: Path, precision: Precision) -> torch.nn.Module:
 
 
 def train_agent(
-    base_dir: Path, family_name: str, out_dir: Path, settings: GRPOSettings, *, seed: int = 0, kind: Kind = "word"
+    base_dir: Path,
+    family_name: str,
+    out_dir: Path,
+    settings: GRPOSettings,
+    *,
+    seed: int = 0,
+    kind: Kind = "word",
+    disjoint_from_test: int = 0,
 ) -> dict[str, float]:
-    """GRPO-train a copy of the base on one family and save it in bf16. Returns timing and reward stats."""
+    """GRPO-train a copy of the base on one family and save it in bf16. Returns timing and reward stats.
+
+    `disjoint_from_test` > 0: no training prompt is one of the seed's first that many test prompts.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer = load_tokenizer(base_dir)
     tokenizer.padding_side = "left"
     view = task_view(kind, family_name, tokenizer)
     model = load_for_training(base_dir, settings.precision)
     n_prompts = settings.steps * settings.prompts_per_step
-    examples = make_split(make_family(family_name), "train", n_prompts, seed)
+    examples = held_out_split(family_name, "train", n_prompts, seed, disjoint_from_test)
     # The reward function rebuilds each Example from the prompt TRL hands back and the `check` column.
     dataset = Dataset.from_list([{"prompt": view.prompt(ex), "check": json.dumps(ex.check)} for ex in examples])
     config = GRPOConfig(
@@ -122,13 +172,15 @@ def train_agent(
         disable_tqdm=True,
         dataloader_pin_memory=False,
     )
+    trace = DensityTrace(model)
+    callbacks: list[TrainerCallback] = [Bf16Storage()] if settings.precision == "bf16-pure" else []
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=reward_function(family_name, view),
+        reward_funcs=reward_function(family_name, view, settings.reward),
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[Bf16Storage()] if settings.precision == "bf16-pure" else None,
+        callbacks=[*callbacks, trace],  # the trace last: it sees the weights after bf16-pure's rounding
     )
     start = time.time()
     trainer.train()
@@ -141,4 +193,5 @@ def train_agent(
         "first_reward": rewards[0] if rewards else float("nan"),
         "last_reward": rewards[-1] if rewards else float("nan"),
         "rewards": rewards,  # type: ignore[dict-item] - the whole logged curve, for the record
+        "density_by_step": trace.trace,  # type: ignore[dict-item] - % of elements changed after each step
     }

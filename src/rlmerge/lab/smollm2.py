@@ -148,3 +148,7 @@ class ChatFamily:
 
     def score(self, reply: str, example: Example) -> float:
         return make_family(self.name).score(extract(self.name, reply), example)
+
+    def graded(self, reply: str, example: Example) -> float:
+        """The family's `graded_reward` of the extracted answer (families that have one: tool use)."""
+        return make_family(self.name).graded_reward(extract(self.name, reply), example)  # type: ignore[attr-defined]

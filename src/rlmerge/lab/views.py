@@ -30,13 +30,16 @@ class TaskView:
     reward: Callable[[str, Example], float]  # shaped, in [0, 1] (GRPO)
     score: Callable[[str, Example], float]  # strict 0/1 (test)
     max_new_tokens: int
+    # a finer reward where the family has one (tool use: credit per argument), else None
+    graded: Callable[[str, Example], float] | None = None
 
 
 def task_view(kind: Kind, family: str, tokenizer: PreTrainedTokenizerBase) -> TaskView:
     if kind == "word":
         fam = make_family(family)
         return TaskView(
-            family, lambda ex: ex.prompt, lambda ex: ex.target, fam.reward, fam.score, WORD_MAX_NEW_TOKENS[family]
+            family, lambda ex: ex.prompt, lambda ex: ex.target, fam.reward, fam.score, WORD_MAX_NEW_TOKENS[family],
+            getattr(fam, "graded_reward", None),
         )
     if kind == "chat":
         from rlmerge.lab import smollm2
@@ -49,5 +52,6 @@ def task_view(kind: Kind, family: str, tokenizer: PreTrainedTokenizerBase) -> Ta
             chat.reward,
             chat.score,
             smollm2.MAX_NEW_TOKENS[family],
+            chat.graded if hasattr(make_family(family), "graded_reward") else None,
         )
     raise ValueError(f"unknown model kind {kind!r}; choose word or chat")
