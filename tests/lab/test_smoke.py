@@ -67,3 +67,17 @@ def test_outputs_written(smoke: tuple[Path, dict]) -> None:
     assert "| Base |" in (out / "table.md").read_text()
     assert json.loads((out / "results.json").read_text())["size"] == "smoke"
     assert summary["total_seconds"] < 180
+
+
+@pytest.mark.slow
+def test_a_rerun_resumes_from_the_saved_stages(smoke: tuple[Path, dict]) -> None:
+    out, summary = smoke
+    first = summary["seeds"][0]
+    assert first["stages"] and not any(t["reused"] for t in first["stages"].values())
+    assert all(t["wall_s"] > 0 and t["cpu_s"] >= 0 for t in first["stages"].values())
+    again = run_lab("smoke", out, seeds=1)["seeds"][0]  # nothing left to do: every stage is read back
+    assert set(again["stages"]) == set(first["stages"]) and all(t["reused"] for t in again["stages"].values())
+    assert again["scores"] == first["scores"] and again["examples"] == first["examples"]
+    assert {k: (t["wall_s"], t["cpu_s"]) for k, t in again["stages"].items()} == {
+        k: (t["wall_s"], t["cpu_s"]) for k, t in first["stages"].items()
+    }

@@ -43,3 +43,26 @@ def test_tiny_combines_seeds_into_paired_t_intervals(tmp_path: Path) -> None:
     text = tiny(files, None)
     assert "| RAM − Task arithmetic | +25.0, +0.0 | +12.5 |" in text
     assert "| 0 | 50.0 → 50.0" in text and "| 1 + 2 + 2 + 2 + 0 + 3 + 0 | 10 |" in text
+
+
+def test_uneven_run_beside_table1_with_agents_intervals_and_stage_times(tmp_path: Path) -> None:
+    from rlmerge.lab.writeup import uneven
+
+    seeds = []
+    for seed, boost in ((0, 1.0), (1, 0.0), (2, 1.0)):
+        s = _seed(seed, boost)
+        for f in FAMILIES:
+            s["task_vectors"]["agents"][f] |= {"rho": 1.5, "lambda_paper": 1.15}
+            s["training"][f]["settings"] = {"lr": 8e-5, "steps": 24, "reward": "graded"}
+        s["stages"] = {"agent coding": {"wall_s": 100.0, "cpu_s": 90.0, "reused": False},
+                       "row RAM": {"wall_s": 50.0, "cpu_s": 40.0, "reused": True}}
+        seeds.append(s)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"seeds": seeds}))
+    text = uneven(path)
+    # ours: RAM 66.7 (mean of 75, 50, 75), TA and Base 50; the paper: RAM 64.82, TA 58.28, Base 48.70
+    assert "| RAM | 66.7 | +16.7 | +16.7 | 1 | 64.82 | +16.12 | +6.54 | 2 |" in text
+    assert "| Task arithmetic | 50.0 | +0.0 | +0.0 | 2 | 58.28 | +9.58 | +0.00 | 3 |" in text
+    assert "| RAM − Task arithmetic | +25.0, +0.0, +25.0 | +16.7 |" in text  # over seeds, with its t-interval
+    assert "| 1 | coding | 8e-05 × 24 | graded | 10.0 | 40.0 | 1.50 | 1.150 | 50.0 → 50.0 |" in text
+    assert "| agent coding | 100 / 90 | 100 / 90 | 100 / 90 |" in text and "| total | 150 / 130 |" in text

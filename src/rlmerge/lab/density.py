@@ -38,6 +38,7 @@ def task_vector_stats(base: Path, agents: Mapping[str, Path], epsilon: float = 1
             "unique_share_pct": _pct(row["unique_share"]),
             "rho": float("inf") if rho == "inf" else float(rho),  # JSON's "inf" back to a float
             "changed": float(row["changed"]),
+            "lambda_paper": float(row["ram_plus"]["paper"]),  # RAM+'s λ at the paper's r = 0.1, α = 2
         }
     overlap = doc["pairwise"]["overlap"]  # [a][b]: elements both changed
     overlap_pct = {  # share of a's changed elements that b also changed

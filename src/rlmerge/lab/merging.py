@@ -85,6 +85,22 @@ SMOLLM2_GRIDS: tuple[MethodPlan, ...] = (
     MethodPlan("RAM+ sign-elect", "ram+", {"preset": ["sign-elect"], "r": [0.1, 0.3, 1.0]}),
 )
 
+# The uneven SmolLM2 run (issue 27): the paper's Table 1 rows, every tuned row 6 points (the paper's or
+# the engine's defaults first: the sweep keeps the first of equal validation averages). TIES and DARE search
+# density × scaling alike (density: the share of each task vector kept); RAM's ε reaches 0 (the previous
+# SmolLM2 run picked ε = 1e-5, its grid's low edge); RAM+ searches r at the paper's α = 2.
+SMOLLM2_UNEVEN_GRIDS: tuple[MethodPlan, ...] = (
+    MethodPlan("Average", "linear"),
+    MethodPlan("Task arithmetic", "task_arithmetic", {"scaling": [1.0, 0.5, 0.75, 1.25, 1.5, 2.0]}),
+    MethodPlan("TIES", "ties", {"density": [0.2, 0.05, 0.5], "scaling": [1.0, 1.5]}),
+    MethodPlan("DARE+TA", "dare_ta", {"density": [0.2, 0.05, 0.5], "scaling": [1.0, 1.5]}),
+    MethodPlan("DARE+TIES", "dare_ties", {"density": [0.2, 0.05, 0.5], "scaling": [1.0, 1.5]}),
+    MethodPlan("RAM", "ram", {"epsilon": [1e-5, 0.0, 3e-5, 1e-4, 3e-4, 1e-3]}),
+    # r as in the paper's ablation (0.05 … 0.2) and beyond; λ = 1 + r·min(ρ, 2)
+    MethodPlan("RAM+", "ram+", {"preset": ["paper"], "r": [0.1, 0.05, 0.2, 0.4, 1.0, 2.0]}),
+    MethodPlan("RAM+ (paper defaults)", "ram+", {"preset": ["paper"]}),
+)
+
 # The mechanism sweep (docs/lab.md) only needs the gaps RAM − TA and RAM+ − TA: the same grids, three rows.
 MECHANISM_GRIDS: tuple[MethodPlan, ...] = tuple(p for p in TINY_GRIDS if p.label in ("Task arithmetic", "RAM", "RAM+"))
 

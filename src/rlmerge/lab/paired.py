@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rlmerge.engine.noise import paired_bootstrap
 
@@ -28,6 +29,8 @@ Z975 = 1.960  # df > 30: the normal quantile (within 2 % of t)
 # The comparisons the report lists: (row, against).
 PAIRS: tuple[tuple[str, str], ...] = (
     ("RAM+", "Task arithmetic"),
+    ("RAM+", "TIES"),
+    ("RAM+", "DARE+TA"),
     ("RAM", "Task arithmetic"),
     ("RAM", "TIES"),
     ("RAM+", "RAM"),
@@ -103,3 +106,26 @@ def markdown_pairs(rows: Sequence[Mapping[str, object]], *, how: str) -> str:
         lines.append(f"| {r['pair']} | {diffs} | {r['mean']:+.1f} | {ci} |")
     lines += ["", f"Interval: {how}."]
     return "\n".join(lines)
+
+
+def paired_report(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Paired differences between rows: a t-interval over seeds, and per seed a bootstrap over examples."""
+    seeds = [r["scores"] for r in results]
+    over_seeds = seed_differences(seeds) if len(seeds) > 1 else []
+    per_seed: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        rows = []
+        for a, b in PAIRS:
+            if a in r["examples"] and b in r["examples"]:
+                d, lo, hi = bootstrap_difference(r["examples"][a], r["examples"][b], seed=r["seed"])
+                rows.append({"pair": f"{a} − {b}", "diffs": [d], "mean": d, "low": lo, "high": hi})
+        per_seed[str(r["seed"])] = rows
+    text = []
+    if over_seeds:
+        text.append(markdown_pairs(over_seeds, how=f"Student-t 95 % over {len(seeds)} seeds (t, n − 1 df)"))
+    for seed, rows in per_seed.items():
+        text.append(
+            f"Seed {seed}:\n\n"
+            + markdown_pairs(rows, how="paired bootstrap over test examples, 2000 draws, 2.5/97.5 percentiles")
+        )
+    return {"over_seeds": over_seeds, "bootstrap_per_seed": per_seed, "markdown": "\n\n".join(text)}

@@ -1,8 +1,14 @@
 """The lab pipeline, top to bottom: base → three GRPO agents → task-vector stats → merges → test scores.
 
 Every stage writes into one folder per seed, and the run ends with results.json, table.md and plot.png
-in the output folder. Merges go only through the engine: a row's validation grid is one `rlmerge.sweep`
-(`grid.evaluate_candidates`), a fixed merge `rlmerge.lab.merging.merge_checkpoints` (`rlmerge.merge`).
+in the output folder (rewritten after each seed, so a long run shows its finished seeds). Merges go only
+through the engine: a row's validation grid is one `rlmerge.sweep` (`grid.evaluate_candidates`), a fixed
+merge `rlmerge.lab.merging.merge_checkpoints` (`rlmerge.merge`).
+
+Resuming: the base and each agent are finished when their folder holds `lab-stage.json` (an agent trained
+with other settings than the size's is trained again); the task-vector statistics, each model's test scores
+and each merge row are saved under `seedN/stages/` as they finish (`stages.py`), so a rerun into the same
+--out skips every finished stage, and each stage records its wall and CPU time.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +29,8 @@ from rlmerge.engine.cache import StatsCache
 from rlmerge.lab.density import PAPER_DENSITY, PAPER_UNIQUE_SHARE, task_vector_stats
 from rlmerge.lab.evaluate import score_checkpoint_each
 from rlmerge.lab.grid import evaluate_candidates, grid_position, pick
-from rlmerge.lab.grpo import GRPOSettings, train_agent
+from rlmerge.lab.grpo import train_agent
 from rlmerge.lab.merging import (
-    SMOLLM2_GRIDS,
-    TINY_GRIDS,
     EngineUnavailable,
     MergeFailed,
     MethodPlan,
@@ -35,62 +39,19 @@ from rlmerge.lab.merging import (
     plan_skip_reason,
     skip_reason,
 )
-from rlmerge.lab.model import ModelShape, build_model, save_bf16, warm_up
-from rlmerge.lab.paired import PAIRS, bootstrap_difference, markdown_pairs, seed_differences
+from rlmerge.lab.model import build_model, save_bf16, warm_up
+from rlmerge.lab.paired import paired_report
 from rlmerge.lab.report import markdown_table, plot
-from rlmerge.lab.tasks import FAMILIES, Example, make_family, make_split
+from rlmerge.lab.sizes import SIZES, LabSize, with_steps
+from rlmerge.lab.stages import Clock, fingerprint, run_stage, write_json
+from rlmerge.lab.tasks import FAMILIES, Example, held_out_split, make_family, make_split
 from rlmerge.lab.tokenizer import build_tokenizer
 from rlmerge.lab.views import Kind
 from rlmerge.lab.workdir import claim
 from rlmerge.sandbox import ensure_isolation
 from rlmerge.scoring import TaskScorer
 
-
-@dataclass(frozen=True)
-class LabSize:
-    name: str
-    shape: ModelShape
-    warmup_steps: int
-    warmup_batch: int
-    grpo: GRPOSettings
-    n_val: int  # per family, for choosing each baseline's hyperparameters
-    n_test: int  # per family, held out
-    max_grid: int = 99  # cap on grid points per method (smoke keeps one)
-    n_fisher: int = 64  # examples per agent for the diagonal Fisher
-    kind: Kind = "word"  # word: the tiny lab's own models; chat: SmolLM2 (rlmerge.lab.smollm2)
-    methods: tuple[MethodPlan, ...] = TINY_GRIDS
-    unique_rows: bool = True  # the paper's unique-region probe (base + one agent's unique elements)
-
-
-SIZES: dict[str, LabSize] = {
-    "smoke": LabSize(
-        "smoke",
-        ModelShape(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128),
-        400,  # enough for some partial rewards, so GRPO's advantages (and the task vectors) are not all zero
-        16,
-        GRPOSettings(steps=3, prompts_per_step=4, generations=4, temperature=0.7),
-        n_val=4,
-        n_test=6,
-        max_grid=1,
-        n_fisher=4,
-    ),
-    "tiny": LabSize("tiny", ModelShape(), 700, 32, GRPOSettings(), n_val=48, n_test=128),
-    # SmolLM2-135M-Instruct (no warm-up: a pretrained base). A GRPO step of 8 completions of ~200 tokens
-    # costs ~1 CPU-minute on one thread; lr from the pilot (docs/lab.md).
-    "smollm2": LabSize(
-        "smollm2",
-        ModelShape(),  # unused: the base is SmolLM2's own architecture
-        0,
-        0,
-        GRPOSettings(steps=12, prompts_per_step=2, generations=4, lr=2e-5, temperature=0.7),
-        n_val=8,
-        n_test=32,
-        n_fisher=16,
-        kind="chat",
-        methods=SMOLLM2_GRIDS,
-        unique_rows=False,
-    ),
-}
+__all__ = ["SIZES", "LabSize", "SeedResult", "run_lab", "run_pilot", "run_seed", "with_steps"]
 
 
 @dataclass
@@ -102,6 +63,7 @@ class SeedResult:
     picks: dict[str, dict[str, Any]] = field(default_factory=dict)  # row → chosen point, grid position, all vals
     skipped: dict[str, str] = field(default_factory=dict)  # method label → reason
     timings: dict[str, float] = field(default_factory=dict)
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)  # stage → wall_s, cpu_s, reused
     training: dict[str, dict[str, float]] = field(default_factory=dict)
     task_vectors: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -112,7 +74,7 @@ def _log(msg: str) -> None:
 
 
 def _eval_sets(size: LabSize, split: str, n: int, seed: int) -> dict[str, list[Example]]:
-    return {f: make_split(make_family(f), split, n, seed) for f in FAMILIES}
+    return {f: held_out_split(f, split, n, seed, size.disjoint_from_test) for f in FAMILIES}
 
 
 def build_base(size: LabSize, out: Path, seed: int) -> dict[str, float]:
@@ -168,7 +130,8 @@ def _note(params: dict[str, Any], info: dict[str, Any]) -> str:
 def val_scorer(size: LabSize, seed: int) -> TaskScorer:
     """The scorer a row's sweep calls: every family's accuracy (%) on the seed's validation split, in the view of
     the size's models (the examples `_eval_sets(size, "val", size.n_val, seed)` holds)."""
-    return TaskScorer([f"lab:{f}" for f in FAMILIES], limit=size.n_val, split="val", seed=seed, kind=size.kind)
+    return TaskScorer([f"lab:{f}" for f in FAMILIES], limit=size.n_val, split="val", seed=seed, kind=size.kind,
+                      disjoint_from_test=size.disjoint_from_test)
 
 
 def _run_plan(
@@ -183,10 +146,9 @@ def _run_plan(
 ) -> tuple[Path, dict[str, Any]]:
     """Search the plan's grid on validation (one sweep); returns the chosen merge and what to report about it."""
     candidates = plan.candidates()[: size.max_grid]
-    slug = plan.label.replace(" ", "_").replace("/", "_").replace("(", "").replace(")", "")
     # sweep-<row>: a folder name the grid loop before the sweep (merges/<row>/candidate-i) never used
     results = evaluate_candidates(
-        base, agents, plan.method, candidates, work / f"sweep-{slug}", val_scorer(size, seed), extra=extra,
+        base, agents, plan.method, candidates, work / f"sweep-{_slug(plan.label)}", val_scorer(size, seed), extra=extra,
         cache=cache,
     )
     chosen = pick(results)
@@ -207,6 +169,15 @@ def _score(res: SeedResult, row: str, path: Path, test: dict[str, list[Example]]
     res.scores[row] = {f: sum(v) / len(v) for f, v in each.items()}
 
 
+def _slug(label: str) -> str:
+    return label.replace(" ", "_").replace("/", "_").replace("(", "").replace(")", "").replace(":", "")
+
+
+def _timed(res: SeedResult, stage: str, record: dict[str, Any]) -> None:
+    """Keep a stage's wall and CPU seconds (those recorded when it ran, also when this run reused it)."""
+    res.stages[stage] = {k: record[k] for k in ("wall_s", "cpu_s", "reused") if k in record}
+
+
 DONE = "lab-stage.json"  # written into a base / agent folder when its stage finished: a rerun reuses it
 
 
@@ -217,27 +188,67 @@ def _reuse(folder: Path) -> dict[str, Any] | None:
 
 
 def _finish(folder: Path, info: dict[str, Any]) -> dict[str, Any]:
-    (folder / DONE).write_text(json.dumps(info))
+    write_json(folder / DONE, info)
     return info
+
+
+def _agent_settings(size: LabSize, fam: str) -> dict[str, Any]:
+    """What an agent's marker must say for a rerun to reuse it: its GRPO settings and split rule."""
+    return {"settings": asdict(size.grpo_for(fam)), "disjoint_from_test": size.disjoint_from_test}
+
+
+def _stale(done: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    # Markers written before the settings were recorded (older runs) are reused as they are.
+    return "settings" in done and any(done.get(k) != v for k, v in wanted.items())
 
 
 def train_agents(size: LabSize, base: Path, out: Path, seed: int, res: SeedResult) -> list[Path]:
     agents: list[Path] = []
     for fam in FAMILIES:
         t = time.time()
+        wanted = _agent_settings(size, fam)
         done = _reuse(out / fam)
+        if done is not None and _stale(done, wanted):
+            _log(f"seed {seed}: agent '{fam}' in {out / fam} was trained with other settings; training it again")
+            done = None
+        if done is None and (out / fam).exists():
+            # an interrupted or outdated training: inside the lab's own --out (workdir.claim), written here
+            shutil.rmtree(out / fam)
         if done is not None:
             _log(f"seed {seed}: GRPO agent '{fam}' reused from {out / fam}")
             res.training[fam] = done
         else:
-            g = size.grpo
-            _log(f"seed {seed}: GRPO agent '{fam}' ({g.steps} steps, lr {g.lr}, {g.precision})")
-            info = train_agent(base, fam, out / fam, size.grpo, seed=seed, kind=size.kind)
+            g = size.grpo_for(fam)
+            _log(f"seed {seed}: GRPO agent '{fam}' ({g.steps} steps, lr {g.lr}, {g.precision}, {g.reward} reward)")
+            clock = Clock()
+            info = train_agent(base, fam, out / fam, g, seed=seed, kind=size.kind,
+                               disjoint_from_test=size.disjoint_from_test)
             shutil.rmtree(out / fam / "_trainer", ignore_errors=True)
-            res.training[fam] = _finish(out / fam, info)
+            res.training[fam] = _finish(out / fam, {**info, **wanted, **clock.elapsed()})
         res.timings[f"grpo_{fam}"] = time.time() - t
+        _timed(res, f"agent {fam}", {"reused": done is not None, **res.training[fam]})
         agents.append(out / fam)
     return agents
+
+
+def _merge_row(
+    plan: MethodPlan,
+    size: LabSize,
+    base: Path,
+    agents: list[Path],
+    work: Path,
+    test: dict[str, list[Example]],
+    seed: int,
+    cache: StatsCache,
+) -> dict[str, Any]:
+    """One row: its grid searched on validation, the pick scored on test; what the report needs, as JSON."""
+    work.mkdir(parents=True, exist_ok=True)
+    extra = _fisher_inputs(agents, work, size.n_fisher, seed, size.kind) if plan.needs_fisher else {}
+    chosen, pick_info = _run_plan(plan, size, base, agents, work, seed, extra, cache)
+    examples = score_checkpoint_each(chosen, test, size.kind)
+    if not size.keep_merges:
+        shutil.rmtree(work / f"sweep-{_slug(plan.label)}", ignore_errors=True)  # the sweep's own folder
+    return {"examples": examples, "note": pick_info["note"], "pick": pick_info}
 
 
 def run_merges(
@@ -248,50 +259,102 @@ def run_merges(
     test: dict[str, list[Example]],
     res: SeedResult,
     methods: Sequence[MethodPlan],
+    stages: Path | None = None,
 ) -> None:
-    """Every plan: grid on validation (one sweep, float32 merges), the pick scored on test; skips say why."""
+    """Every plan: grid on validation (one sweep, float32 merges), the pick scored on test; skips say why.
+
+    With `stages`, each finished row is saved there and a rerun with the same inputs and grid reuses it.
+    """
     cache = StatsCache()  # the rows share the statistics of these inputs (in memory, for this seed)
+    inputs = fingerprint([base, *agents], DONE) if stages is not None else ""
     for plan in methods:
         reason = plan_skip_reason(plan)
         if reason is not None:
             res.skipped[plan.label] = reason
             _log(f"seed {res.seed}: skip {plan.label}: {reason}")
             continue
-        _log(f"seed {res.seed}: merge {plan.label} ({min(len(plan.candidates()), size.max_grid)} grid points)")
+        candidates = plan.candidates()[: size.max_grid]
+        _log(f"seed {res.seed}: merge {plan.label} ({len(candidates)} grid points)")
+
+        def row(plan: MethodPlan = plan) -> dict[str, Any]:
+            return _merge_row(plan, size, base, agents, work, test, res.seed, cache)
+
+        key = {"method": plan.method, "grid": candidates, "n_val": size.n_val, "n_test": size.n_test,
+               "kind": size.kind, "disjoint_from_test": size.disjoint_from_test, "inputs": inputs}
         try:
-            work.mkdir(parents=True, exist_ok=True)
-            extra = _fisher_inputs(agents, work, size.n_fisher, res.seed, size.kind) if plan.needs_fisher else {}
-            chosen, pick_info = _run_plan(plan, size, base, agents, work, res.seed, extra, cache)
+            if stages is None:
+                record = {"result": row()}
+            else:
+                record = run_stage(stages / f"row-{_slug(plan.label)}.json", key, row, _log)
+                _timed(res, f"row {plan.label}", record)
         except (EngineUnavailable, MergeFailed) as err:
             # The engine refused these parameters (e.g. an unknown name): report, keep going.
             res.skipped[plan.label] = f"{type(err).__name__}: {err}"
             _log(f"seed {res.seed}: {plan.label} failed: {err}")
             continue
-        _score(res, plan.label, chosen, test, size.kind)
-        res.notes[plan.label] = pick_info["note"]
-        res.picks[plan.label] = pick_info
+        out = record["result"]
+        res.examples[plan.label] = out["examples"]
+        res.scores[plan.label] = {f: sum(v) / len(v) for f, v in out["examples"].items()}
+        res.notes[plan.label] = out["note"]
+        res.picks[plan.label] = out["pick"]
 
 
-def run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan]) -> SeedResult:
-    res = SeedResult(seed)
+def _task_vectors(base: Path, agents: list[Path]) -> dict[str, Any]:
+    from rlmerge.lab.mechanism import density_by_magnitude
+
+    stats = task_vector_stats(base, dict(zip(FAMILIES, agents, strict=True)))
+    stats["density_by_abs_w"] = {fam: density_by_magnitude(base, path) for fam, path in zip(FAMILIES, agents)}
+    return stats
+
+
+def _score_models(
+    res: SeedResult, models: Sequence[tuple[str, Path]], sets: dict[str, list[Example]], size: LabSize, stages: Path,
+    split: str = "test",
+) -> None:
+    """Each model's 0/1 scores on `sets`, one saved stage per model (keyed by its checkpoint and the split)."""
+    for row, path in models:
+        n = len(next(iter(sets.values())))
+        key = {"split": split, "n": n, "kind": size.kind, "disjoint_from_test": size.disjoint_from_test,
+               "checkpoint": fingerprint([path], DONE)}
+        record = run_stage(stages / f"{split}-{_slug(row)}.json", key,
+                           lambda path=path: score_checkpoint_each(path, sets, size.kind), _log)
+        _timed(res, f"{split} scores {row}", record)
+        if split == "test":
+            res.examples[row] = record["result"]
+            res.scores[row] = {f: sum(v) / len(v) for f, v in record["result"].items()}
+
+
+def prepare_seed(size: LabSize, out: Path, seed: int, res: SeedResult) -> tuple[Path, list[Path]]:
+    """Base, agents and their task-vector statistics (each a saved stage); returns (base, agents)."""
     torch.manual_seed(seed)
     base = out / "base"
     t0 = time.time()
     _log(f"seed {seed}: base ({'SmolLM2 from GGUF' if size.kind == 'chat' else f'{size.warmup_steps} warm-up steps'})")
-    res.training["base"] = _reuse(base) or _finish(base, build_base(size, base, seed))
+    done = _reuse(base)
+    if done is None:
+        clock = Clock()
+        done = _finish(base, {**build_base(size, base, seed), **clock.elapsed()})
+        _timed(res, "base", {**done, "reused": False})
+    else:
+        _timed(res, "base", {**done, "reused": True})
+    res.training["base"] = done
     res.timings["base"] = time.time() - t0
     agents = train_agents(size, base, out / "agents", seed, res)
-    res.task_vectors = task_vector_stats(base, dict(zip(FAMILIES, agents, strict=True)))
-    from rlmerge.lab.mechanism import density_by_magnitude
+    record = run_stage(out / "stages" / "task_vectors.json", {"inputs": fingerprint([base, *agents], DONE)},
+                       lambda: _task_vectors(base, agents), _log)
+    _timed(res, "task vectors", record)
+    res.task_vectors = record["result"]
+    return base, agents
 
-    res.task_vectors["density_by_abs_w"] = {
-        fam: density_by_magnitude(base, path) for fam, path in zip(FAMILIES, agents, strict=True)
-    }
+
+def run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan]) -> SeedResult:
+    res = SeedResult(seed)
+    base, agents = prepare_seed(size, out, seed, res)
+    stages = out / "stages"
     test = _eval_sets(size, "test", size.n_test, seed)
     t = time.time()
-    _score(res, "Base", base, test, size.kind)
-    for fam, path in zip(FAMILIES, agents, strict=True):
-        _score(res, f"Specialist: {fam}", path, test, size.kind)
+    models = [("Base", base), *((f"Specialist: {f}", p) for f, p in zip(FAMILIES, agents, strict=True))]
+    _score_models(res, models, test, size, stages)
     res.timings["score_base_and_specialists"] = time.time() - t
     for fam in FAMILIES:
         # The issue's sanity check on the RL set-up: a specialist must beat the base on its own task.
@@ -299,13 +362,28 @@ def run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan])
             res.warnings.append(f"specialist {fam} does not beat the base on {fam}")
             _log(f"seed {seed}: WARNING specialist {fam} does not beat the base on its own task")
     t = time.time()
-    run_merges(size, base, agents, out / "merges", test, res, methods)
+    run_merges(size, base, agents, out / "merges", test, res, methods, stages)
     res.timings["merges"] = time.time() - t
     t = time.time()
     if size.unique_rows:
         _unique_rows(size, base, agents, out / "merges", test, res)
     res.timings["unique_region"] = time.time() - t
     return res
+
+
+def run_pilot(size: LabSize, out: Path, seed: int, n_val: int) -> dict[str, Any]:
+    """The agents of one seed and what to check before a full run: per agent its settings, density trace,
+    density, unique share, ρ and λ, and base and specialists scored on `n_val` validation examples per task."""
+    ensure_isolation()  # the coding agent's rewards and scores run model-written programs
+    res = SeedResult(seed)
+    base, agents = prepare_seed(size, out, seed, res)
+    val = _eval_sets(size, "val", n_val, seed)
+    models = [("Base", base), *((f"Specialist: {f}", p) for f, p in zip(FAMILIES, agents, strict=True))]
+    _score_models(res, models, val, size, out / "stages", split="val")
+    val_scores = {row: json.loads((out / "stages" / f"val-{_slug(row)}.json").read_text())["result"]
+                  for row, _ in models}
+    return {"seed": seed, "n_val": n_val, "training": res.training, "task_vectors": res.task_vectors,
+            "val_examples": val_scores, "stages": res.stages}
 
 
 def _unique_rows(
@@ -327,33 +405,39 @@ def _unique_rows(
             _score(res, label, path, test, size.kind)
 
 
-def paired_report(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Paired differences between rows: a t-interval over seeds, and per seed a bootstrap over examples."""
-    seeds = [r["scores"] for r in results]
-    over_seeds = seed_differences(seeds) if len(seeds) > 1 else []
-    per_seed: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
-        rows = []
-        for a, b in PAIRS:
-            if a in r["examples"] and b in r["examples"]:
-                d, lo, hi = bootstrap_difference(r["examples"][a], r["examples"][b], seed=r["seed"])
-                rows.append({"pair": f"{a} − {b}", "diffs": [d], "mean": d, "low": lo, "high": hi})
-        per_seed[str(r["seed"])] = rows
-    text = []
-    if over_seeds:
-        text.append(markdown_pairs(over_seeds, how=f"Student-t 95 % over {len(seeds)} seeds (t, n − 1 df)"))
-    for seed, rows in per_seed.items():
-        text.append(
-            f"Seed {seed}:\n\n"
-            + markdown_pairs(rows, how="paired bootstrap over test examples, 2000 draws, 2.5/97.5 percentiles")
-        )
-    return {"over_seeds": over_seeds, "bootstrap_per_seed": per_seed, "markdown": "\n\n".join(text)}
+def _summary(
+    size: LabSize, plans: Sequence[MethodPlan], results: Sequence[SeedResult], seconds: float
+) -> dict[str, Any]:
+    rows = list(results[0].scores)
+    scores = {r: [res.scores[r] for res in results if r in res.scores] for r in rows}
+    table = markdown_table(scores, results[0].notes)
+    return {
+        "size": size.name,
+        "config": {
+            "shape": asdict(size.shape),
+            "grpo": asdict(size.grpo),
+            "agent_grpo": {f: asdict(size.grpo_for(f)) for f in FAMILIES},
+            "warmup_steps": size.warmup_steps,
+            "n_val": size.n_val,
+            "n_test": size.n_test,
+            "disjoint_from_test": size.disjoint_from_test,
+            "kind": size.kind,
+            "grids": {p.label: {k: list(v) for k, v in p.grid.items()} for p in plans},
+            "merge_dtype": "float32",
+        },
+        "seeds": [asdict(r) for r in results],
+        "paper": {"density_pct": PAPER_DENSITY, "unique_share_pct": PAPER_UNIQUE_SHARE},
+        "table": table,
+        "paired": paired_report([asdict(r) for r in results]),
+        "total_seconds": seconds,
+    }
 
 
 def run_lab(
     size_name: str, out: Path, *, seeds: int = 1, first_seed: int = 0, methods: list[MethodPlan] | None = None
 ) -> dict[str, Any]:
-    """Run the whole lab for `seeds` seeds and write results.json, table.md and plot.png into `out`."""
+    """Run the whole lab for `seeds` seeds and write results.json, table.md and plot.png into `out`, after each
+    seed (with the seeds finished so far), so that a long run's finished seeds can be read while it goes on."""
     ensure_isolation()  # the coding agents' rewards and scores run model-written programs: refused before any work
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(var, "1")
@@ -364,36 +448,12 @@ def run_lab(
     plans = list(methods if methods is not None else size.methods)
     claim(out)
     start = time.time()
-    results = [run_seed(size, out / f"seed{s}", s, plans) for s in range(first_seed, first_seed + seeds)]
-    rows = list(results[0].scores)
-    scores = {r: [res.scores[r] for res in results if r in res.scores] for r in rows}
-    table = markdown_table(scores, results[0].notes)
-    paired = paired_report([asdict(r) for r in results])
-    plot(scores, out / "plot.png", f"rlmerge lab ({size_name}): test accuracy, {seeds} seed(s)")
-    summary = {
-        "size": size_name,
-        "config": {
-            "shape": asdict(size.shape),
-            "grpo": asdict(size.grpo),
-            "warmup_steps": size.warmup_steps,
-            "n_val": size.n_val,
-            "n_test": size.n_test,
-            "kind": size.kind,
-            "grids": {p.label: {k: list(v) for k, v in p.grid.items()} for p in plans},
-            "merge_dtype": "float32",
-        },
-        "seeds": [asdict(r) for r in results],
-        "paper": {"density_pct": PAPER_DENSITY, "unique_share_pct": PAPER_UNIQUE_SHARE},
-        "table": table,
-        "paired": paired,
-        "total_seconds": time.time() - start,
-    }
-    (out / "results.json").write_text(json.dumps(summary, indent=2, default=str))
-    (out / "table.md").write_text(table + "\n\n" + paired["markdown"] + "\n")
+    results: list[SeedResult] = []
+    for s in range(first_seed, first_seed + seeds):
+        results.append(run_seed(size, out / f"seed{s}", s, plans))
+        summary = _summary(size, plans, results, time.time() - start)
+        scores = {r: [res.scores[r] for res in results if r in res.scores] for r in results[0].scores}
+        plot(scores, out / "plot.png", f"rlmerge lab ({size_name}): test accuracy, {len(results)} seed(s)")
+        write_json(out / "results.json", summary)
+        (out / "table.md").write_text(summary["table"] + "\n\n" + summary["paired"]["markdown"] + "\n")
     return summary
-
-
-def with_steps(size: LabSize, grpo_steps: int | None = None, warmup_steps: int | None = None) -> LabSize:
-    """A size with overridden step counts (CLI --grpo-steps / --warmup-steps)."""
-    grpo = size.grpo if grpo_steps is None else replace(size.grpo, steps=grpo_steps)
-    return replace(size, grpo=grpo, warmup_steps=size.warmup_steps if warmup_steps is None else warmup_steps)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlmerge.lab.paired import PAIRS, bootstrap_difference, markdown_pairs, seed_differences
+from rlmerge.lab.paired import PAIRS, bootstrap_difference, markdown_pairs, seed_differences, t_interval
 from rlmerge.lab.report import markdown_table, plot
 from rlmerge.lab.tasks import FAMILIES
 
@@ -150,6 +150,115 @@ def real_size(file: Path) -> str:
     ])  # fmt: skip
 
 
+# The paper's Table 1 rows in its order (Base first; RAM+ is the paper's reported RAM+, at its defaults).
+TABLE1_ORDER = ("Base", "Task arithmetic", "Fisher", "TIES", "DARE+TA", "DARE+TIES", "RAM", "RAM+ (paper defaults)")
+
+
+def _mean_sd(values: Sequence[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:.1f}"
+    return f"{statistics.fmean(values):.1f} ± {statistics.stdev(values):.1f}"
+
+
+def _rank(values: dict[str, float]) -> dict[str, int]:
+    order = sorted(values, key=lambda r: -values[r])
+    return {r: order.index(r) + 1 for r in values}
+
+
+def beside_table1(seeds: Sequence[dict[str, Any]]) -> str:
+    """Ours (mean over seeds) beside the paper's Table 1: averages, gaps to the base and to TA, and ranks."""
+    rows = [r for r in TABLE1_ORDER if all(r in s["scores"] for s in seeds)]
+    ours = {r: statistics.fmean(_avg(s["scores"][r]) for s in seeds) for r in rows}
+    paper = {r: float(PAPER_TABLE1[r]) for r in rows if isinstance(PAPER_TABLE1.get(r), float)}
+    ranks_ours = _rank({r: v for r, v in ours.items() if r != "Base"})
+    ranks_paper = _rank({r: v for r, v in paper.items() if r != "Base"})
+    lines = ["| row | ours: average | − Base | − TA | rank | paper: average | − Base | − TA | rank |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        o_ta = f"{ours[r] - ours['Task arithmetic']:+.1f}" if "Task arithmetic" in ours else "–"
+        cells = [f"{ours[r]:.1f}", f"{ours[r] - ours['Base']:+.1f}", o_ta, str(ranks_ours.get(r, "–"))]
+        if r in paper:
+            cells += [f"{paper[r]:.2f}", f"{paper[r] - paper['Base']:+.2f}",
+                      f"{paper[r] - paper['Task arithmetic']:+.2f}", str(ranks_paper.get(r, "–"))]
+        else:
+            cells += ["–"] * 4
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def agents_table(seeds: Sequence[dict[str, Any]], settings: dict[str, dict[str, Any]]) -> str:
+    """Per seed and agent: lr × steps, reward, density, unique share, ρ, λ at the paper's defaults, own-task gain."""
+    lines = ["| seed | agent | lr × steps | reward | density (%) | unique share (%) | ρ | λ (r 0.1, α 2) "
+             "| own task: base → specialist (%) |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in seeds:
+        for f in FAMILIES:
+            a, g = s["task_vectors"]["agents"][f], s["training"][f].get("settings", settings.get(f, {}))
+            lam = f"{a['lambda_paper']:.3f}" if "lambda_paper" in a else "–"
+            gain = f"{100 * s['scores']['Base'][f]:.1f} → {100 * s['scores'][f'Specialist: {f}'][f]:.1f}"
+            regime = f"{g.get('lr', 0):g} × {g.get('steps', 0)} | {g.get('reward', 'shaped')}"
+            lines.append(f"| {s['seed']} | {f} | {regime} | {a['density_pct']:.1f} | {a['unique_share_pct']:.1f} "
+                         f"| {a['rho']:.2f} | {lam} | {gain} |")
+    return "\n".join(lines)
+
+
+def stage_times(seeds: Sequence[dict[str, Any]]) -> str:
+    """Per stage, wall and CPU seconds in each seed (as recorded when the stage ran)."""
+    names = list(dict.fromkeys(k for s in seeds for k in s.get("stages", {})))
+    lines = ["| stage | " + " | ".join(f"seed {s['seed']} wall / CPU (s)" for s in seeds) + " |",
+             "|---|" + "---|" * len(seeds)]
+    for name in names:
+        cells = []
+        for s in seeds:
+            t = s.get("stages", {}).get(name, {})
+            cells.append(f"{t['wall_s']:.0f} / {t['cpu_s']:.0f}" if "wall_s" in t and "cpu_s" in t else "–")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    totals = [sum(t.get("wall_s", 0.0) for t in s.get("stages", {}).values()) for s in seeds]
+    cpus = [sum(t.get("cpu_s", 0.0) for t in s.get("stages", {}).values()) for s in seeds]
+    lines.append("| total | " + " | ".join(f"{w:.0f} / {c:.0f}" for w, c in zip(totals, cpus, strict=True)) + " |")
+    return "\n".join(lines)
+
+
+def uneven(file: Path) -> str:
+    """A multi-seed real-size run (the uneven SmolLM2 run): Table 1 beside ours, the agents, paired intervals."""
+    doc = json.loads(Path(file).read_text())
+    seeds = sorted(doc["seeds"], key=lambda s: s["seed"])
+    scores = {r: [s["scores"][r] for s in seeds if r in s["scores"]] for r in seeds[0]["scores"]}
+    over = seed_differences([s["scores"] for s in seeds]) if len(seeds) > 1 else []
+    own = []
+    for f in FAMILIES:
+        diffs = [100 * (s["scores"][f"Specialist: {f}"][f] - s["scores"]["Base"][f]) for s in seeds]
+        row: dict[str, Any] = {"pair": f"Specialist: {f} − Base, on {f}", "diffs": diffs,
+                               "mean": statistics.fmean(diffs), "low": None, "high": None}
+        if len(diffs) > 1:
+            row["mean"], row["low"], row["high"] = t_interval(diffs)
+        own.append(row)
+    boot = {s["seed"]: [{"pair": f"{a} − {b}", "diffs": [d], "mean": d, "low": lo, "high": hi}
+                        for a, b in PAIRS if a in s["examples"] and b in s["examples"]
+                        for d, lo, hi in [bootstrap_difference(s["examples"][a], s["examples"][b], seed=s["seed"])]]
+            for s in seeds}
+    n = len(seeds)
+    parts = [
+        markdown_table(scores),
+        "Beside the paper's Table 1 (average over tasks, mean over seeds; rank among the rows other than the base):\n\n"
+        + beside_table1(seeds),
+        "Each specialist against the base on its own task:\n\n"
+        + markdown_pairs(own, how=f"Student-t 95 % over {n} seeds, n − 1 df"),
+    ]
+    if over:
+        parts.append("Paired differences over seeds:\n\n"
+                     + markdown_pairs(over, how=f"Student-t 95 % over {n} seeds, n − 1 df"))
+    for seed, rows in boot.items():
+        parts.append(f"Seed {seed}, paired bootstrap over test examples:\n\n"
+                     + markdown_pairs(rows, how="paired bootstrap over the test examples, 2000 draws"))
+    parts += [
+        "Agents:\n\n" + agents_table(seeds, doc.get("config", {}).get("agent_grpo", {})),
+        "Task vectors:\n\n" + density_table(seeds),
+        "Picks on validation:\n\n" + picks_table(seeds),
+        "Stage times:\n\n" + stage_times(seeds),
+    ]
+    return "\n\n".join(parts)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tiny", nargs="*", type=Path, default=[], help="results.json files of tiny lab runs")
@@ -157,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--mechanism", type=Path, help="mechanism.json of a sweep")
     ap.add_argument("--mechanism-plot", type=Path, help="where to write the mechanism plot")
     ap.add_argument("--real", type=Path, help="results.json of the SmolLM2 run")
+    ap.add_argument("--uneven", type=Path, help="results.json of the uneven SmolLM2 run (several seeds)")
     args = ap.parse_args(argv)
     if args.tiny:
         print(tiny(args.tiny, args.tiny_plot), end="\n\n")
@@ -169,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             plot_mechanism(results, args.mechanism_plot)
     if args.real:
         print(real_size(args.real))
+    if args.uneven:
+        print(uneven(args.uneven))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""The lab's sizes: the model, the GRPO settings of each agent, the split sizes and the rows of each run.
+
+`rlmerge lab --size NAME` runs `SIZES[NAME]`; `with_steps` is the CLI's --grpo-steps / --warmup-steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from rlmerge.lab.grpo import GRPOSettings
+from rlmerge.lab.merging import SMOLLM2_GRIDS, SMOLLM2_UNEVEN_GRIDS, TINY_GRIDS, MethodPlan
+from rlmerge.lab.model import ModelShape
+from rlmerge.lab.views import Kind
+
+
+@dataclass(frozen=True)
+class LabSize:
+    name: str
+    shape: ModelShape
+    warmup_steps: int
+    warmup_batch: int
+    grpo: GRPOSettings
+    n_val: int  # per family, for choosing each baseline's hyperparameters
+    n_test: int  # per family, held out
+    max_grid: int = 99  # cap on grid points per method (smoke keeps one)
+    n_fisher: int = 64  # examples per agent for the diagonal Fisher
+    kind: Kind = "word"  # word: the tiny lab's own models; chat: SmolLM2 (rlmerge.lab.smollm2)
+    methods: tuple[MethodPlan, ...] = TINY_GRIDS
+    unique_rows: bool = True  # the paper's unique-region probe (base + one agent's unique elements)
+    # Per-family GRPO settings where they differ from `grpo` (uneven agents: docs/lab.md, section 3b).
+    agent_grpo: Mapping[str, GRPOSettings] = field(default_factory=dict)
+    # Validation and training prompts avoid the seed's test prompts (coding repeats prompts otherwise).
+    disjoint: bool = False
+    keep_merges: bool = True  # False: a row's chosen merge is deleted once its scores are saved (disk)
+
+    def grpo_for(self, family: str) -> GRPOSettings:
+        return self.agent_grpo.get(family, self.grpo)
+
+    @property
+    def disjoint_from_test(self) -> int:
+        """How many of the seed's test prompts the validation and training splits avoid (0: no rule)."""
+        return self.n_test if self.disjoint else 0
+
+
+SIZES: dict[str, LabSize] = {
+    "smoke": LabSize(
+        "smoke",
+        ModelShape(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128),
+        400,  # enough for some partial rewards, so GRPO's advantages (and the task vectors) are not all zero
+        16,
+        GRPOSettings(steps=3, prompts_per_step=4, generations=4, temperature=0.7),
+        n_val=4,
+        n_test=6,
+        max_grid=1,
+        n_fisher=4,
+    ),
+    "tiny": LabSize("tiny", ModelShape(), 700, 32, GRPOSettings(), n_val=48, n_test=128),
+    "smollm2": (SMOLLM2 := LabSize(
+        "smollm2",
+        ModelShape(),  # unused: the base is SmolLM2's own architecture
+        0,
+        0,
+        # SmolLM2-135M-Instruct (no warm-up: a pretrained base). A GRPO step of 8 completions of ~200 tokens
+        # costs ~1 CPU-minute on one thread; lr from the pilot (docs/lab.md).
+        GRPOSettings(steps=12, prompts_per_step=2, generations=4, lr=2e-5, temperature=0.7),
+        n_val=8,
+        n_test=32,
+        n_fisher=16,
+        kind="chat",
+        methods=SMOLLM2_GRIDS,
+        unique_rows=False,
+    )),
+    # The same base with agents uneven by their training (issue 27): a low-lr coding agent, a mid-lr memory
+    # agent, a high-lr tool-use agent with credit per argument at a lower temperature (exact calls were 3 % of
+    # its samples at 0.7, 20 % at 0.4); lr × steps from the bf16-threshold arithmetic and the pilot's measured
+    # densities (docs/lab.md, section 3b).
+    "smollm2-uneven": replace(
+        SMOLLM2,
+        name="smollm2-uneven",
+        n_val=32,
+        n_test=128,
+        methods=SMOLLM2_UNEVEN_GRIDS,
+        agent_grpo={
+            "tool_use": replace(SMOLLM2.grpo, steps=24, lr=8e-5, temperature=0.5, reward="graded"),
+            "coding": replace(SMOLLM2.grpo, steps=16, lr=5e-6),
+            "memory": replace(SMOLLM2.grpo, steps=16, lr=4e-5),
+        },
+        disjoint=True,
+        keep_merges=False,
+    ),
+}
+
+
+def with_steps(size: LabSize, grpo_steps: int | None = None, warmup_steps: int | None = None) -> LabSize:
+    """A size with overridden step counts (CLI --grpo-steps / --warmup-steps; every agent's steps)."""
+    grpo = size.grpo if grpo_steps is None else replace(size.grpo, steps=grpo_steps)
+    agents = {f: g if grpo_steps is None else replace(g, steps=grpo_steps) for f, g in size.agent_grpo.items()}
+    return replace(size, grpo=grpo, agent_grpo=agents,
+                   warmup_steps=size.warmup_steps if warmup_steps is None else warmup_steps)

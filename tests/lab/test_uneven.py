@@ -1,0 +1,314 @@
+"""The uneven SmolLM2 run (issue 27): per-agent GRPO settings, rewards the tool agent can climb, validation and
+training prompts disjoint from the test split, and a pipeline that resumes stage by stage with its times."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from rlmerge.errors import ConfigError
+from rlmerge.lab import pipeline
+from rlmerge.lab.grpo import DensityTrace, GRPOSettings, reward_function
+from rlmerge.lab.merging import SMOLLM2_UNEVEN_GRIDS, MethodPlan
+from rlmerge.lab.paired import PAIRS
+from rlmerge.lab.sizes import SIZES, with_steps
+from rlmerge.lab.stages import fingerprint, run_stage
+from rlmerge.lab.tasks import FAMILIES, Example, held_out_split, make_family, make_split
+from rlmerge.lab.tasks.tool_use import ToolUse
+from rlmerge.scoring import TaskScorer
+
+# ---- splits ---------------------------------------------------------------------------------------------------
+
+
+def test_validation_and_training_prompts_avoid_the_test_split() -> None:
+    test = {ex.prompt for ex in make_split(make_family("coding"), "test", 128, 0)}
+    plain = make_split(make_family("coding"), "val", 48, 0)
+    assert sum(ex.prompt in test for ex in plain) > 0  # coding repeats prompts: without the rule they collide
+    for split in ("val", "train"):
+        kept = held_out_split("coding", split, 48, 0, disjoint_from_test=128)
+        assert len(kept) == 48 and not any(ex.prompt in test for ex in kept), split
+    # without the rule, and for the test split itself, the splits are what they always were
+    assert held_out_split("coding", "val", 48, 0) == plain
+    assert held_out_split("coding", "test", 16, 0, disjoint_from_test=128) == make_split(
+        make_family("coding"), "test", 16, 0
+    )
+
+
+def test_a_split_that_cannot_avoid_the_excluded_prompts_says_so() -> None:
+    class OnePrompt:
+        name = "memory"
+
+        def sample(self, rng: random.Random) -> Example:
+            return Example("memory", "always the same", " red", {"answer": "red", "codes": ["red"]})
+
+    with pytest.raises(ValueError, match="could not draw 2 val examples outside the 1 excluded prompts"):
+        make_split(OnePrompt(), "val", 2, 0, exclude={"always the same"})  # type: ignore[arg-type]
+
+
+def test_the_sweeps_scorer_validates_on_the_disjoint_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rlmerge.lab.evaluate as evaluate
+    import rlmerge.scoring.subject as subject
+
+    seen: list[list[Example]] = []
+    monkeypatch.setattr(subject, "load_model", lambda built: (None, None))
+    monkeypatch.setattr(evaluate, "score_each", lambda m, t, examples, kind: seen.append(examples) or [1.0, 0.0])
+    built = SimpleNamespace(candidate=SimpleNamespace(id="c0"))
+    scorer = TaskScorer(["lab:coding"], limit=48, seed=0, kind="chat", disjoint_from_test=128)
+    assert scorer(built)["lab:coding"].score == 50.0  # type: ignore[arg-type] - only the candidate's id is read
+    assert seen == [held_out_split("coding", "val", 48, 0, disjoint_from_test=128)]
+    assert scorer.settings()["disjoint_from_test"] == 128
+    assert "disjoint_from_test" not in TaskScorer(["lab:coding"]).settings()  # older sweeps' --resume stays valid
+    with pytest.raises(ConfigError, match="disjoint_from_test -1"):
+        TaskScorer(["lab:coding"], disjoint_from_test=-1)
+
+
+# ---- rewards --------------------------------------------------------------------------------------------------
+
+
+def _tool_example() -> Example:
+    call = {"name": "send_email", "arguments": {"to": "kim", "subject": "rivers"}}
+    return Example("tool_use", "p", " " + json.dumps(call), {"call": call})
+
+
+@pytest.mark.parametrize(
+    ("answer", "graded", "shaped"),
+    [
+        ({"name": "send_email", "arguments": {"to": "kim", "subject": "rivers"}}, 1.0, 1.0),
+        ({"name": "send_email", "arguments": {"to": "kim", "subject": "tea"}}, 0.7, 0.5),  # one of two arguments
+        ({"name": "send_email", "arguments": {"to": "kim", "subject": "rivers", "x": 1}}, 0.8, 0.5),  # an extra one
+        ({"name": "call", "arguments": {"to": "kim"}}, 0.4, 0.2),  # wrong tool, one argument right
+        ({"name": "send_email", "arguments": {"kim": "on rivers"}}, 0.4, 0.5),
+    ],
+)
+def test_graded_tool_reward_credits_each_argument(answer: dict, graded: float, shaped: float) -> None:
+    ex = _tool_example()
+    assert ToolUse().graded_reward(json.dumps(answer), ex) == pytest.approx(graded)
+    assert ToolUse().reward(json.dumps(answer), ex) == pytest.approx(shaped)
+    assert ToolUse().graded_reward("not a call", ex) == 0.0
+
+
+def test_reward_modes_reach_trl() -> None:
+    pytest.importorskip("trl", reason="the lab extra (rlmerge[lab]) is not installed")
+    check = json.dumps(_tool_example().check)
+    wrong_arg = ' {"name": "send_email", "arguments": {"to": "kim", "subject": "tea"}}'
+    assert reward_function("tool_use", mode="graded")(["p"], [wrong_arg], check=[check]) == pytest.approx([0.7])
+    assert reward_function("tool_use", mode="strict")(["p"], [wrong_arg], check=[check]) == [0.0]
+    memory = json.dumps({"answer": "teal", "codes": ["red", "teal"]})
+    assert reward_function("memory", mode="strict")(["p", "p"], [" red", " teal"], check=[memory] * 2) == [0.0, 1.0]
+    with pytest.raises(ValueError, match="'memory' has no graded reward"):
+        reward_function("memory", mode="graded")
+
+
+def test_chat_view_grades_the_extracted_call() -> None:
+    from rlmerge.lab.views import task_view
+
+    view = task_view("chat", "tool_use", None)  # type: ignore[arg-type] - the view reads no tokenizer here
+    reply = 'Here:\n```json\n{"name": "send_email", "arguments": {"to": "kim", "subject": "tea"}}\n```'
+    assert view.graded is not None and view.graded(reply, _tool_example()) == pytest.approx(0.7)
+    assert task_view("chat", "memory", None).graded is None  # type: ignore[arg-type]
+
+
+# ---- density trace --------------------------------------------------------------------------------------------
+
+
+def test_density_trace_counts_what_survives_the_bf16_save() -> None:
+    pytest.importorskip("trl", reason="the lab extra (rlmerge[lab]) is not installed")
+    model = torch.nn.Linear(4, 2, bias=False)  # 8 elements
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        trace = DensityTrace(model)
+        model.weight[0, 0] += 1e-3  # below half a bf16 step at 1.0 (2^-8): absorbed when saved
+        model.weight[0, 1] += 1e-2  # above it: survives
+    trace.on_optimizer_step(None, None, None, model=model)
+    with torch.no_grad():
+        model.weight[1, 0] -= 0.5
+    trace.on_optimizer_step(None, None, None, model=model)
+    assert trace.trace == [100.0 / 8, 200.0 / 8]
+
+
+# ---- stages and resuming --------------------------------------------------------------------------------------
+
+
+def test_a_finished_stage_is_reused_and_a_changed_one_runs_again(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def work() -> dict[str, Any]:
+        calls.append(1)
+        return {"scores": [1.0, 0.0], "n": len(calls)}
+
+    first = run_stage(tmp_path / "s.json", {"grid": [1.0, 2.0]}, work, log=lambda m: None)
+    again = run_stage(tmp_path / "s.json", {"grid": [1.0, 2.0]}, work, log=lambda m: None)
+    assert calls == [1] and again["result"] == first["result"] == {"scores": [1.0, 0.0], "n": 1}
+    assert not first["reused"] and again["reused"]
+    assert again["wall_s"] == first["wall_s"] >= 0.0 and again["cpu_s"] == first["cpu_s"] >= 0.0
+    changed = run_stage(tmp_path / "s.json", {"grid": [1.0, 3.0]}, work, log=lambda m: None)
+    assert calls == [1, 1] and changed["result"]["n"] == 2 and not changed["reused"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]  # no partial file left
+
+
+def test_a_stage_that_fails_leaves_nothing_that_reads_as_finished(tmp_path: Path) -> None:
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        run_stage(tmp_path / "s.json", {}, broken)
+    assert not (tmp_path / "s.json").exists()
+
+
+def _fake_agent(folder: Path, info: dict[str, Any]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / pipeline.DONE).write_text(json.dumps(info))
+
+
+def _small_uneven() -> Any:
+    return replace(
+        SIZES["smoke"],
+        agent_grpo={f: replace(SIZES["smoke"].grpo, lr=lr) for f, lr in zip(FAMILIES, (1e-4, 1e-5, 5e-5))},
+        disjoint=True,
+    )
+
+
+def test_agents_are_reused_only_with_the_settings_they_were_trained_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trained: list[tuple[str, float]] = []
+
+    def fake_train(base: Path, fam: str, out: Path, settings: GRPOSettings, **kw: Any) -> dict[str, Any]:
+        trained.append((fam, settings.lr))
+        assert kw["disjoint_from_test"] == 6  # the smoke size's n_test
+        out.mkdir(parents=True)
+        return {"train_seconds": 1.0, "density_by_step": [1.0]}
+
+    monkeypatch.setattr(pipeline, "train_agent", fake_train)
+    size = _small_uneven()
+    agents = pipeline.train_agents(size, tmp_path / "base", tmp_path / "agents", 0, pipeline.SeedResult(0))
+    assert trained == [("tool_use", 1e-4), ("coding", 1e-5), ("memory", 5e-5)]
+    marker = json.loads((agents[1] / pipeline.DONE).read_text())
+    assert marker["settings"]["lr"] == 1e-5 and marker["disjoint_from_test"] == 6 and marker["cpu_s"] >= 0
+    res = pipeline.SeedResult(0)
+    pipeline.train_agents(size, tmp_path / "base", tmp_path / "agents", 0, res)
+    assert len(trained) == 3 and all(res.stages[f"agent {f}"]["reused"] for f in FAMILIES)
+    (agents[2] / "stale-file").write_text("from the old agent")
+    changed = replace(size, agent_grpo={**size.agent_grpo, "memory": replace(size.agent_grpo["memory"], lr=2e-5)})
+    pipeline.train_agents(changed, tmp_path / "base", tmp_path / "agents", 0, pipeline.SeedResult(0))
+    assert trained[3:] == [("memory", 2e-5)] and not (agents[2] / "stale-file").exists()
+    legacy = tmp_path / "legacy"  # a marker from before settings were recorded: reused as it is
+    for f in FAMILIES:
+        _fake_agent(legacy / f, {"train_seconds": 3.0})
+    pipeline.train_agents(changed, tmp_path / "base", legacy, 0, pipeline.SeedResult(0))
+    assert len(trained) == 4
+
+
+def test_finished_merge_rows_are_skipped_until_their_inputs_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base, agents = tmp_path / "base", [tmp_path / "agents" / f for f in FAMILIES]
+    for folder in (base, *agents):
+        _fake_agent(folder, {"train_seconds": 1.0})
+    calls: list[str] = []
+
+    def fake_row(plan: MethodPlan, *args: Any) -> dict[str, Any]:
+        calls.append(plan.label)
+        return {"examples": {f: [1.0, 0.0] for f in FAMILIES}, "note": "scaling=1.0", "pick": {"params": {}}}
+
+    monkeypatch.setattr(pipeline, "_merge_row", fake_row)
+    plans = [MethodPlan("Task arithmetic", "task_arithmetic", {"scaling": [1.0, 2.0]}), MethodPlan("Average", "linear")]
+    size = SIZES["smoke"]
+
+    def run() -> pipeline.SeedResult:
+        res = pipeline.SeedResult(0)
+        pipeline.run_merges(size, base, agents, tmp_path / "merges", {}, res, plans, tmp_path / "stages")
+        return res
+
+    first = run()
+    assert calls == ["Task arithmetic", "Average"] and first.scores["Average"] == {f: 0.5 for f in FAMILIES}
+    second = run()
+    assert calls == ["Task arithmetic", "Average"] and second.scores == first.scores
+    assert second.stages["row Average"]["reused"] and second.notes["Task arithmetic"] == "scaling=1.0"
+    _fake_agent(agents[0], {"train_seconds": 2.0})  # the tool agent retrained: every row is stale
+    run()
+    assert calls[2:] == ["Task arithmetic", "Average"]
+
+
+def test_fingerprint_follows_the_markers(tmp_path: Path) -> None:
+    _fake_agent(tmp_path / "a", {"train_seconds": 1.0})
+    before = fingerprint([tmp_path / "a"], pipeline.DONE)
+    assert fingerprint([tmp_path / "a"], pipeline.DONE) == before
+    _fake_agent(tmp_path / "a", {"train_seconds": 1.5})
+    assert fingerprint([tmp_path / "a"], pipeline.DONE) != before
+
+
+def test_results_are_written_after_each_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake_seed(size: Any, out: Path, seed: int, methods: Any) -> pipeline.SeedResult:
+        if seed == 1:
+            raise RuntimeError("the machine went away")
+        res = pipeline.SeedResult(seed)
+        for row in ("Base", "Task arithmetic"):
+            res.examples[row] = {f: [1.0, 0.0] for f in FAMILIES}
+            res.scores[row] = {f: 0.5 for f in FAMILIES}
+        res.stages["base"] = {"wall_s": 1.0, "cpu_s": 0.5, "reused": False}
+        return res
+
+    monkeypatch.setattr(pipeline, "run_seed", fake_seed)
+    with pytest.raises(RuntimeError, match="went away"):
+        pipeline.run_lab("smoke", tmp_path / "out", seeds=2)
+    done = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [s["seed"] for s in done["seeds"]] == [0] and done["seeds"][0]["stages"]["base"]["cpu_s"] == 0.5
+    assert "| Task arithmetic |" in (tmp_path / "out" / "table.md").read_text()
+
+
+def test_pilot_reports_each_agent_and_the_validation_scores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    size = _small_uneven()
+
+    def fake_prepare(size: Any, out: Path, seed: int, res: pipeline.SeedResult) -> tuple[Path, list[Path]]:
+        base, agents = out / "base", [out / "agents" / f for f in FAMILIES]
+        for folder in (base, *agents):
+            _fake_agent(folder, {"train_seconds": 1.0})
+        res.task_vectors = {"agents": {}}
+        return base, agents
+
+    scored: list[str] = []
+
+    def fake_score(path: Path, sets: dict[str, list[Example]], kind: str) -> dict[str, list[float]]:
+        scored.append(path.name)
+        assert all(len(v) == 5 for v in sets.values())
+        return {f: [float(path.name == f)] * 5 for f in sets}
+
+    monkeypatch.setattr(pipeline, "prepare_seed", fake_prepare)
+    monkeypatch.setattr(pipeline, "score_checkpoint_each", fake_score)
+    pilot = pipeline.run_pilot(size, tmp_path / "seed0", 0, n_val=5)
+    assert scored == ["base", *FAMILIES] and pilot["n_val"] == 5
+    assert pilot["val_examples"]["Specialist: coding"]["coding"] == [1.0] * 5
+    assert pilot["val_examples"]["Base"]["coding"] == [0.0] * 5
+    pipeline.run_pilot(size, tmp_path / "seed0", 0, n_val=5)
+    assert len(scored) == 4  # a rerun reads the saved validation scores
+
+
+# ---- the size ---------------------------------------------------------------------------------------------------
+
+
+def test_with_steps_overrides_every_agent() -> None:
+    size = with_steps(SIZES["smollm2-uneven"], grpo_steps=2)
+    assert {size.grpo_for(f).steps for f in FAMILIES} == {2}
+    assert size.grpo_for("tool_use").lr == SIZES["smollm2-uneven"].grpo_for("tool_use").lr
+
+
+def test_uneven_size_answers_the_issue() -> None:
+    size = SIZES["smollm2-uneven"]
+    drift = {f: size.grpo_for(f).lr * size.grpo_for(f).steps ** 0.5 for f in FAMILIES}
+    assert drift["coding"] < drift["memory"] < drift["tool_use"]  # sparse coding, denser memory, densest tools
+    assert size.n_test >= 128 and size.disjoint and size.disjoint_from_test == size.n_test
+    tuned = {len(p.candidates()) for p in SMOLLM2_UNEVEN_GRIDS if len(p.candidates()) > 1}
+    assert len(tuned) == 1 and min(tuned) >= 6  # every tuned row the same number of grid points, at least 6
+    for pair in (("RAM+", "Task arithmetic"), ("RAM+", "TIES"), ("RAM+", "DARE+TA"), ("RAM", "Task arithmetic")):
+        assert pair in PAIRS
+    from rlmerge.lab.merging import plan_skip_reason
+
+    assert all(plan_skip_reason(p) is None for p in SMOLLM2_UNEVEN_GRIDS)  # the engine takes every grid point
