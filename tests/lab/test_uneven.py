@@ -83,7 +83,8 @@ def _tool_example() -> Example:
         ({"name": "send_email", "arguments": {"to": "kim", "subject": "rivers"}}, 1.0, 1.0),
         ({"name": "send_email", "arguments": {"to": "kim", "subject": "tea"}}, 0.7, 0.5),  # one of two arguments
         ({"name": "send_email", "arguments": {"to": "kim", "subject": "rivers", "x": 1}}, 0.8, 0.5),  # an extra one
-        ({"name": "call", "arguments": {"to": "kim"}}, 0.4, 0.2),  # wrong tool, one argument right
+        ({"name": "call", "arguments": {"to": "kim"}}, 0.1, 0.2),  # wrong tool: its arguments earn nothing
+        ({"name": "mail", "arguments": {"to": "kim", "subject": "rivers"}}, 0.1, 0.2),  # a made-up tool
         ({"name": "send_email", "arguments": {"kim": "on rivers"}}, 0.4, 0.5),
     ],
 )

@@ -84,18 +84,23 @@ class ToolUse:
     def graded_reward(self, completion: str, example: Example) -> float:
         """`reward` with the arguments credited one by one, for a policy that rarely gets a whole call right.
 
-        0.1 for a well-formed call, 0.3 for the right tool, 0.6 × the share of argument slots right: expected
-        arguments given with their value, over the larger of the expected and given counts (an extra
-        argument costs). An exact call earns 1. (SmolLM2 samples at temperature 0.7 get 3 % of calls exactly
-        right, so `reward`'s all-or-nothing argument part almost never varies within a GRPO group.)
+        0.1 for a well-formed call, 0.3 for the right tool and, with the right tool only, 0.6 × the share of
+        argument slots right: expected arguments given with their value, over the larger of the expected and
+        given counts (an extra argument costs). An exact call earns 1. (SmolLM2 samples at temperature 0.7 get
+        3 % of calls exactly right, so `reward`'s all-or-nothing argument part almost never varies within a
+        GRPO group.) The tool gates the argument credit: without the gate a made-up tool name with the right
+        arguments out-earned the right tool with wrong ones, and a pilot agent learned to invent names
+        (docs/lab.md, section 3b).
         """
         call = self._parse(completion)
         if call is None:
             return 0.0
         want = example.check["call"]
         got, expected = call["arguments"], want["arguments"]
+        if call["name"] != want["name"]:
+            return 0.1
         right = sum(k in got and str(got[k]) == str(v) for k, v in expected.items())
-        return 0.1 + 0.3 * (call["name"] == want["name"]) + 0.6 * right / max(len(expected), len(got))
+        return 0.4 + 0.6 * right / max(len(expected), len(got))
 
     def score(self, completion: str, example: Example) -> float:
         call = self._parse(completion)
