@@ -304,7 +304,7 @@ def test_with_steps_overrides_every_agent() -> None:
 def test_uneven_size_answers_the_issue() -> None:
     size = SIZES["smollm2-uneven"]
     drift = {f: size.grpo_for(f).lr * size.grpo_for(f).steps ** 0.5 for f in FAMILIES}
-    assert drift["coding"] < drift["memory"] < drift["tool_use"]  # sparse coding, denser memory, densest tools
+    assert drift["tool_use"] < drift["coding"] < drift["memory"]  # sparse tool use, denser coding, densest memory
     assert size.n_test >= 128 and size.disjoint and size.disjoint_from_test == size.n_test
     tuned = {len(p.candidates()) for p in SMOLLM2_UNEVEN_GRIDS if len(p.candidates()) > 1}
     assert len(tuned) == 1 and min(tuned) >= 6  # every tuned row the same number of grid points, at least 6

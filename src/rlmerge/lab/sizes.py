@@ -71,10 +71,10 @@ SIZES: dict[str, LabSize] = {
         methods=SMOLLM2_GRIDS,
         unique_rows=False,
     )),
-    # The same base with agents uneven by their training (issue 27): a low-lr coding agent, a mid-lr memory
-    # agent, a high-lr tool-use agent with credit per argument at a lower temperature (exact calls were 3 % of
-    # its samples at 0.7, 20 % at 0.4); lr × steps from the bf16-threshold arithmetic and the pilot's measured
-    # densities (docs/lab.md, section 3b).
+    # The same base with agents uneven by their training (issue 27): a low-lr tool-use agent (credit per
+    # argument, 4 prompts per step: at lr ≥ 3e-5 its policy collapsed onto one call in every pilot), a mid-lr
+    # coding agent, a high-lr memory agent; lr × steps from the bf16-threshold arithmetic and the pilot's
+    # measured densities (docs/lab.md, section 3b).
     "smollm2-uneven": replace(
         SMOLLM2,
         name="smollm2-uneven",
@@ -82,9 +82,9 @@ SIZES: dict[str, LabSize] = {
         n_test=128,
         methods=SMOLLM2_UNEVEN_GRIDS,
         agent_grpo={
-            "tool_use": replace(SMOLLM2.grpo, steps=24, lr=8e-5, temperature=0.5, reward="graded"),
-            "coding": replace(SMOLLM2.grpo, steps=16, lr=5e-6),
-            "memory": replace(SMOLLM2.grpo, steps=16, lr=4e-5),
+            "tool_use": replace(SMOLLM2.grpo, steps=16, prompts_per_step=4, lr=1e-5, reward="graded"),
+            "coding": replace(SMOLLM2.grpo, steps=16, lr=3e-5),
+            "memory": replace(SMOLLM2.grpo, steps=16, lr=6e-5),
         },
         disjoint=True,
         keep_merges=False,
