@@ -81,3 +81,45 @@ def test_a_rerun_resumes_from_the_saved_stages(smoke: tuple[Path, dict]) -> None
     assert {k: (t["wall_s"], t["cpu_s"]) for k, t in again["stages"].items()} == {
         k: (t["wall_s"], t["cpu_s"]) for k, t in first["stages"].items()
     }
+
+
+@pytest.mark.slow
+def test_a_run_interrupted_inside_a_stage_resumes_at_that_stage(
+    smoke: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlmerge.lab import pipeline
+
+    out, summary = smoke
+    first = summary["seeds"][0]
+    stages = out / "seed0" / "stages"
+    for row in ("Average", "Task_arithmetic"):  # as if the run had stopped before these two rows
+        (stages / f"row-{row}.json").unlink()
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a finished base or agent was built again")
+
+    monkeypatch.setattr(pipeline, "build_base", never)
+    monkeypatch.setattr(pipeline, "train_agent", never)
+    real_score, scored = pipeline.score_checkpoint_each, []
+
+    def stopped_in_task_arithmetic(path: Path, *args: object) -> object:
+        scored.append(path)
+        if "sweep-Task_arithmetic" in str(path):
+            raise KeyboardInterrupt  # Ctrl-C while the row's pick is scored on test
+        return real_score(path, *args)
+
+    monkeypatch.setattr(pipeline, "score_checkpoint_each", stopped_in_task_arithmetic)
+    with pytest.raises(KeyboardInterrupt):
+        run_lab("smoke", out, seeds=1)
+    assert (stages / "row-Average.json").is_file() and not (stages / "row-Task_arithmetic.json").exists()
+    assert not list(stages.glob("*.partial"))  # nothing half-written that a rerun could read as finished
+    monkeypatch.setattr(pipeline, "score_checkpoint_each", lambda path, *args: scored.append(path) or real_score(
+        path, *args))
+    scored.clear()
+    again = run_lab("smoke", out, seeds=1)["seeds"][0]
+    # of the staged rows only the unfinished one's pick is scored again (the unique-region rows are not staged)
+    assert [p.parent.name for p in scored if not p.name.startswith("unique-")] == ["sweep-Task_arithmetic"]
+    assert not again["stages"]["row Task arithmetic"]["reused"]
+    assert all(t["reused"] for k, t in again["stages"].items() if k != "row Task arithmetic")
+    for row in ("Average", "Task arithmetic"):
+        assert again["scores"][row] == first["scores"][row]  # the same numbers as the uninterrupted run
