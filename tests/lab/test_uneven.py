@@ -313,3 +313,22 @@ def test_uneven_size_answers_the_issue() -> None:
     from rlmerge.lab.merging import plan_skip_reason
 
     assert all(plan_skip_reason(p) is None for p in SMOLLM2_UNEVEN_GRIDS)  # the engine takes every grid point
+
+
+def test_an_interrupted_lab_run_says_its_finished_stages_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C in `rlmerge lab` keeps every finished stage (a rerun resumes): the message says so, not the merge
+    commands' "nothing was written"."""
+    from rlmerge.cli import main
+    from rlmerge.lab import pipeline
+
+    def stopped(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "run_lab", stopped)
+    out = tmp_path / "lab-out"
+    assert main(["lab", "--size", "tiny", "--out", str(out)]) == 130
+    said = " ".join(capsys.readouterr().err.split())
+    assert "nothing was written" not in said
+    assert "kept in" in said and "lab-out" in said and "resumes" in said

@@ -77,7 +77,13 @@ def lab_command(
         if unknown or not wanted:
             raise _usage_error(f"--rows: unknown row(s) {unknown or rows!r}; the {size} rows are: {', '.join(known)}")
         plans = [known[r] for r in wanted]
-    summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed, methods=plans)
+    try:
+        summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed, methods=plans)
+    except KeyboardInterrupt as stop:  # every finished stage is saved: say so, not "nothing was written"
+        stop.rlmerge_hint = (  # type: ignore[attr-defined]
+            f"the stages finished before the stop are kept in {out}; the same command resumes at the first "
+            "unfinished one")
+        raise
     typer.echo(summary["table"])
     for res in summary["seeds"]:
         for label, reason in res["skipped"].items():
