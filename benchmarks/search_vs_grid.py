@@ -14,7 +14,7 @@ task, the seed's val split, float32 merges) and its test split (128 per task) fo
 Printed: the grid's best validation average, the trial at which TPE's best first reached it (``—``: not within the
 trials), TPE's best validation average after ``BUDGET`` and after ``--trials`` trials, each pick's test average, the
 paired bootstrap interval of (TPE's final pick − the grid's pick) on test, and how many candidates of each sweep its
-validation scores cannot tell from its best (engine/noise.py).
+validation scores cannot tell from its best (sweeping/noise.py).
 Everything is kept under ``--work`` (one sweep folder per seed, method and search; a rerun resumes them).
 
     PYTHONPATH=src python benchmarks/search_vs_grid.py --work /work/lab-runs/tiny-tpe/bench --trials 36 \\
@@ -80,10 +80,10 @@ def _pick(doc: dict[str, Any]) -> tuple[float, float | None, str]:
 
 
 def _test_difference(a: dict[str, Any], b: dict[str, Any], seed: int) -> tuple[float, float, float]:
-    """(difference, low, high): the paired bootstrap (engine/noise.py) of a's pick − b's pick on the test split,
+    """(difference, low, high): the paired bootstrap (sweeping/noise.py) of a's pick − b's pick on the test split,
     from each pick's confirmed per-example results (the same test examples: paired)."""
-    from rlmerge.engine.noise import paired_bootstrap
-    from rlmerge.engine.scores import details_from_json
+    from rlmerge.sweeping.noise import paired_bootstrap
+    from rlmerge.sweeping.scores import details_from_json
 
     def samples(doc: dict[str, Any]) -> dict[str, list[float]]:
         rec = next(r for r in doc["confirmed"] if r["id"] == doc["ranking"][0])

@@ -61,7 +61,7 @@ def timed(args: list[str]) -> tuple[dict, float, float]:
 
 
 def candidates(grid: str) -> list[dict[str, str]]:
-    from rlmerge.engine.candidates import parse_grid
+    from rlmerge.sweeping.candidates import parse_grid
 
     return [dict(c.params) for c in parse_grid(grid)]
 

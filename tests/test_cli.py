@@ -322,7 +322,8 @@ def test_an_extra_that_is_missing_is_named_whole(example, tmp_path: Path, capsys
     monkeypatch.setitem(sys.modules, missing, None)  # `import MISSING` now raises ImportError
     for name in [n for n in sys.modules if n.startswith(f"{missing}.")]:  # and so does a submodule imported earlier
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.delitem(sys.modules, "rlmerge.engine.distributed", raising=False)  # imports Ray when imported
+    for module in ("rlmerge.engine.distributed", "rlmerge.sweeping.distributed"):  # import Ray when imported
+        monkeypatch.delitem(sys.modules, module, raising=False)
     if missing == "lm_eval":
         from rlmerge.lab import harness
 

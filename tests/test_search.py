@@ -17,9 +17,9 @@ import pytest
 
 import rlmerge
 from conftest import load_output
-from rlmerge.engine.candidates import Candidate
-from rlmerge.engine.space import parse_space, parse_spaces
 from rlmerge.errors import ConfigError, OutputError, RLMergeError
+from rlmerge.sweeping.candidates import Candidate
+from rlmerge.sweeping.space import parse_space, parse_spaces
 
 pytest.importorskip("optuna")
 

@@ -17,9 +17,9 @@ import torch
 
 import rlmerge
 from conftest import CHAT_TEMPLATE, assert_same_tensors, lab_checkpoints, load_output
-from rlmerge.engine.candidates import parse_all, parse_grid
 from rlmerge.errors import ConfigError, InputError, OutputError, RLMergeError
 from rlmerge.report.sweep import pareto
+from rlmerge.sweeping.candidates import parse_all, parse_grid
 
 GRIDS = ["ram+ r=0.05,0.2 alpha=1,2", "ties density=0.2,0.5", "task_arithmetic scaling=0.5,1.0"]
 

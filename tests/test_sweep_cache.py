@@ -1,4 +1,4 @@
-"""The statistics cache (engine/cache.py): merges that share it write exactly the bytes of merges that do not, and
+"""The statistics cache (sweeping/cache.py): merges that share it write exactly the bytes of merges that do not, and
 read only what the cache does not hold.
 
 Oracles: every file of a merge made with a warm cache against the same merge made alone (shards, report, model
@@ -7,6 +7,7 @@ card, provenance, config); the bytes read against what the passes must read, cou
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
@@ -14,11 +15,12 @@ import pytest
 
 import rlmerge
 from rlmerge import kernels
-from rlmerge.engine.cache import StatsCache
+from rlmerge.engine import cached
 from rlmerge.engine.preflight import preflight
-from rlmerge.engine.sweep import sweep
 from rlmerge.io.sweepdir import SweepDir
 from rlmerge.methods._select import ROUNDS
+from rlmerge.sweeping.cache import CacheView, StatsCache
+from rlmerge.sweeping.sweep import sweep
 
 # (method, [params of candidates that share one cache]): every kind of route the cache changes
 GRIDS = [
@@ -143,3 +145,16 @@ def test_an_input_that_changed_is_counted_again(example, tmp_path: Path) -> None
     assert rlmerge.merge(base, agents, tmp_path / "c", **kw).passes == ["statistics", "merge"]
     eps = rlmerge.merge(base, agents, tmp_path / "d", method="ram+", params={"epsilon": 1e-3}, cache=cache)
     assert eps.passes == ["statistics", "merge"]  # another ε: other counts
+
+
+@pytest.mark.parametrize(("protocol", "implementation"), [(cached.StatisticsCache, StatsCache),
+                                                          (cached.StatisticsView, CacheView)])
+def test_the_sweeps_cache_is_what_the_merge_core_asks_for(protocol: type, implementation: type) -> None:
+    """The engine knows the cache through engine/cached.py alone: every method its protocols declare (``Entries``'
+    included) is the sweep's, with the same parameters, so a merge never calls a method the cache lacks."""
+    members = {n for c in protocol.__mro__ if c.__module__.startswith("rlmerge.")
+               for n, v in vars(c).items() if callable(v) and not n.startswith("_")}
+    assert {"view"} <= members or {"get", "put", "used", "covers", "statistics"} <= members
+    for name in sorted(members):
+        mine, theirs = inspect.signature(getattr(implementation, name)), inspect.signature(getattr(protocol, name))
+        assert list(mine.parameters) == list(theirs.parameters), name

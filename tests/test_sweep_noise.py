@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 import rlmerge
-from rlmerge.engine.noise import average_interval, compare, paired_bootstrap
-from rlmerge.engine.scores import TaskScore
 from rlmerge.errors import ConfigError
 from rlmerge.lab.paired import bootstrap_difference
 from rlmerge.scoring import TaskScorer
+from rlmerge.sweeping.noise import average_interval, compare, paired_bootstrap
+from rlmerge.sweeping.scores import TaskScore
 
 
 def lab_loop(a: dict, b: dict, draws: int = 2000, seed: int = 0) -> tuple[float, float, float]:

@@ -106,7 +106,7 @@ def test_task_arithmetic_grid_scores_picks_and_keeps_what_merging_alone_does(lab
 
 
 def test_ram_plus_grid_shares_one_statistics_pass_and_reports_lambda(lab, tmp_path: Path) -> None:
-    from rlmerge.engine.cache import StatsCache
+    from rlmerge.sweeping.cache import StatsCache
 
     base, agents = lab
     cands = [{"preset": "paper", "r": r, "alpha": a} for r in (0.1, 2.0) for a in (2.0, 32.0)]

@@ -10,10 +10,10 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from ..engine.candidates import load_sweep_recipe
-from ..engine.space import parse_spaces
-from ..engine.sweep import Scored, SweepResult, sweep
 from ..errors import ConfigError
+from ..sweeping.candidates import load_sweep_recipe
+from ..sweeping.space import parse_spaces
+from ..sweeping.sweep import Scored, SweepResult, sweep
 from . import options as o
 from .console import err, escape, out
 

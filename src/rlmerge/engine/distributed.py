@@ -35,9 +35,7 @@ from ..methods import Observer, Run
 from ..stats import Statistics, TensorStats
 from ..stream.blocks import DEFAULT_BLOCK
 from .backends import closing, make_backends
-from .build import Context, Scored, Scorer, build_and_score, warm
-from .cache import StatsCache
-from .candidates import Candidate
+from .cached import StatisticsCache
 from .merge import (
     MergeResult,
     cached_statistics,
@@ -138,7 +136,7 @@ def _unreachable(address: str, why: str) -> ConfigError:
                        hint="start it (ray start --head), fix RAY_ADDRESS, or unset it to run Ray on this machine")
 
 
-def _get(refs: list[Any], on_done: Callable[[int, Any], None], *, limit: int | None,
+def run_tasks(refs: list[Any], on_done: Callable[[int, Any], None], *, limit: int | None,
          submit: Callable[[int], Any]) -> None:
     """Submit ``submit(i)`` for i in range(len(refs)) keeping at most ``limit`` in flight; ``on_done(i, value)`` as
     each finishes. A task's error (after its retries) cancels the rest and is raised as rlmerge's error."""
@@ -171,11 +169,11 @@ def _cancel(pending: Mapping[Any, int]) -> None:
         ray.cancel(ref, force=True)
 
 
-FAULT_ENV = "RLMERGE_RAY_TEST_KILL"  # tests only: see _fault_point
+FAULT_ENV = "RLMERGE_RAY_TEST_KILL"  # tests only: see fault_point
 Record = tuple[str, int, int, "dict[str, Any] | None"]  # a shard a worker wrote: file, bytes, CRC-32, notes
 
 
-def _fault_point() -> None:
+def fault_point() -> None:
     """Fault injection for tests/test_distributed.py: when the file named by $RLMERGE_RAY_TEST_KILL exists, the
     worker removes it and dies at once (``os._exit``), as a killed worker would: its shards written, none reported.
     Unset (always, outside those tests), this does nothing."""
@@ -186,33 +184,6 @@ def _fault_point() -> None:
         except FileNotFoundError:
             return
         os._exit(1)
-
-
-# -- a sweep's candidates ---------------------------------------------------------------------------------------
-@ray.remote
-def _candidate_task(ctx: Context, c: Candidate, scorer: Scorer | None, cache: StatsCache) -> Scored:
-    scored = build_and_score(ctx, c, scorer, cache)
-    _fault_point()
-    return scored
-
-
-def slots(ctx: Context) -> int:
-    """How many candidates the cluster scores at once: its GPUs when the device is CUDA, else its CPUs."""
-    gpu = str(ctx.options.get("device", "cpu")).startswith("cuda")
-    return max(1, int(ray.cluster_resources().get("GPU" if gpu else "CPU", 1)))
-
-
-def score_on_ray(ctx: Context, todo: Sequence[Candidate], scorer: Scorer | None, cache: StatsCache,
-                 record: Callable[[Scored], None], *, workers: int | None = None, retries: int = 2,
-                 address: str | None = None) -> None:
-    """Build and score ``todo`` as Ray tasks (at most ``workers`` at once); ``record`` each as it finishes."""
-    init(address)
-    warm(ctx, todo, cache)
-    shared = ray.put(cache.detached())
-    gpu = str(ctx.options.get("device", "cpu")).startswith("cuda")
-    task = _candidate_task.options(max_retries=retries, **({"num_gpus": 1} if gpu else {"num_cpus": 1}))
-    _get(list(todo), lambda i, s: record(s), limit=workers,
-         submit=lambda i: task.remote(ctx, todo[i], scorer, shared))
 
 
 # -- one merge, split by output shard ----------------------------------------------------------------------------
@@ -295,7 +266,7 @@ def _merge_task(req: _Request, shard_ids: list[int], expected: list[str], prepar
             with Progress(quiet=True) as progress, writer:
                 merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=collect)
                 writer.complete()
-            _fault_point()
+            fault_point()
         return files.records, (stats.tensors if collect else {}), run.read_bytes, run.observer
     finally:
         pf.close()
@@ -308,7 +279,7 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
                  allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
                  recipe: Mapping[str, Any] | None = None, fsync: bool = True, workers: int | None = None,
                  partition: Sequence[Sequence[int]] | None = None, retries: int = 3, address: str | None = None,
-                 cache: StatsCache | None = None, quiet: bool = True, defaults: Sequence[str] = (),
+                 cache: StatisticsCache | None = None, quiet: bool = True, defaults: Sequence[str] = (),
                  notes: Sequence[str] = ()) -> MergeResult:
     """``rlmerge.merge`` with its passes run as Ray tasks (see the module docstring); the same output bytes.
 
@@ -344,7 +315,7 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
 
 def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping[str, Any] | None, fsync: bool,
            workers: int | None, partition: Sequence[Sequence[int]] | None, retries: int,
-           cache: StatsCache | None, defaults: list[str], notes: list[str],
+           cache: StatisticsCache | None, defaults: list[str], notes: list[str],
            again: Reproduce | None = None) -> MergeResult:
     match, spec, p = pf.match, pf.spec, pf.params
     assert match is not None and spec is not None
@@ -395,7 +366,7 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
                                {n: ts for n, ts in stats.tensors.items() if n in names}, collect,
                                str(partial.output), str(partial.tmp), metadata, fsync)
 
-        _get(todo, finished, limit=workers, submit=submit)
+        run_tasks(todo, finished, limit=workers, submit=submit)
         if collect:
             stats.tensors = {j.name: counted[j.name] for j in match.merge_jobs}  # job order, as a local merge
             if view is not None:
@@ -444,7 +415,7 @@ def _statistics(pf: Preflight, chosen: Route, req: _Request, view: Any, *, worke
         read[0] += nbytes
 
     task = _statistics_task.options(max_retries=retries, num_cpus=1)
-    _get(groups, finished, limit=workers, submit=lambda i: task.remote(req, groups[i]))
+    run_tasks(groups, finished, limit=workers, submit=lambda i: task.remote(req, groups[i]))
     order = [j for j in jobs if j.name in chosen.stats_fast] + [j for j in jobs if j.name not in chosen.stats_fast]
     stats.tensors = {j.name: parts[j.name] for j in order}  # reduced in a fixed order: a local merge's
     if view is not None:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import ConfigError, InputError, RLMergeError, raise_all
 from ..io.checkpoint import SIDE_FILES, Checkpoint
@@ -26,14 +26,12 @@ from ..stream.match import Match
 from . import survival
 from .adapter import AdapterOptions, AdapterWriter, adapter_writer
 from .backends import closing, make_backends
+from .cached import StatisticsCache, StatisticsView
 from .passes import merge_pass, statistics_pass
 from .preflight import preflight
 from .progress import Progress
 from .reproduce import Reproduce, reproduce
 from .route import Route, route
-
-if TYPE_CHECKING:
-    from .cache import CacheView, StatsCache
 
 TOKENIZER_SIDE = (*TOKENIZER_FILES, *TEMPLATE_FILES, GENERATION)  # side files the tokenizer plan decides
 
@@ -66,7 +64,7 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           shard_size: str | int = DEFAULT_SHARD_SIZE, block_size: int = DEFAULT_BLOCK, device: str = "cpu",
           force: bool = False, allow_missing: bool = False, count_tied_twice: bool = False, seed: int = 0,
           quiet: bool = True, recipe: Mapping[str, Any] | None = None, resume: bool = False,
-          fsync: bool = True, cache: StatsCache | None = None, defaults: Sequence[str] = (),
+          fsync: bool = True, cache: StatisticsCache | None = None, defaults: Sequence[str] = (),
           notes: Sequence[str] = (), tokenizer_source: str | None = None,
           chat_template: str | None = None, push_to_hub: str | None = None, private: bool = False,
           revision: str | None = None, output_format: str = "hf", rank: Any = "full",
@@ -80,8 +78,8 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     ``resume=True`` continues a run that was interrupted (Ctrl-C, SIGTERM, disk full) after its last
     complete shard; the output is byte-identical to an uninterrupted run. ``fsync=False`` leaves flushing the
     output to the OS (faster on a slow disk; a power cut soon after the merge may lose it, and ``resume``
-    still verifies every kept shard by its CRC-32). ``cache`` (engine/cache.py): statistics shared with other
-    merges of the same inputs (``rlmerge.sweep`` keeps one).
+    still verifies every kept shard by its CRC-32). ``cache``: statistics shared with other merges of the same
+    inputs (engine/cached.py; ``rlmerge.sweep`` keeps one, ``rlmerge.sweeping.cache.StatsCache``).
 
     ``defaults`` and ``notes``: what a recipe's translation said (mergekit's defaults it applied, what it ignores),
     written to rlmerge.json and the model card. ``tokenizer_source`` (None, ``base``, ``union`` or an agent) and
@@ -138,7 +136,7 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
 
 def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_bytes: int, block_size: int,
          device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
-         extras: list[Checkpoint] | None = None, fsync: bool = True, cache: CacheView | None = None,
+         extras: list[Checkpoint] | None = None, fsync: bool = True, cache: StatisticsView | None = None,
          at: Callable[[str], Any] | None = None, schedule: Mapping[str, Any] | None = None,
          defaults: list[str] | None = None, notes: list[str] | None = None,
          again: Reproduce | None = None, adapter: tuple[AdapterOptions, Any] | None = None) -> MergeResult:
@@ -177,7 +175,7 @@ def output_fingerprint(match: Match, spec: MethodSpec, p: Any, *, seed: int, rec
 
 def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool], Any], *, output: Path,
             block_size: int, device: str, seed: int, quiet: bool, recipe: Mapping[str, Any] | None,
-            extras: Sequence[Checkpoint] = (), cache: CacheView | None = None,
+            extras: Sequence[Checkpoint] = (), cache: StatisticsView | None = None,
             at: Callable[[str], Any] | None = None, schedule: Mapping[str, Any] | None = None,
             defaults: Sequence[str] | None = None, notes: Sequence[str] | None = None,
             again: Reproduce | None = None) -> MergeResult:
@@ -232,7 +230,7 @@ def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool]
 
 def statistics_only(match: Match, spec: MethodSpec, p: Any, chosen: Route, *, block_size: int, device: str,
                     seed: int, extras: Sequence[Checkpoint] = (),
-                    cache: CacheView | None = None) -> tuple[Statistics, Any, int]:
+                    cache: StatisticsView | None = None) -> tuple[Statistics, Any, int]:
     """The statistics pass of ``chosen`` alone: (statistics, the method's observer after it, bytes read). What a
     sweep counts once before its candidates run elsewhere, and what a Ray task counts for its tensors."""
     stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
@@ -280,7 +278,7 @@ def finish_output(writer: Any, match: Match, result: MergeResult, recipe: Mappin
     writer.finish(provenance(match, result, recipe))
 
 
-def cached_statistics(cache: CacheView, match: Match, spec: MethodSpec, p: Any, chosen: Route, *,
+def cached_statistics(cache: StatisticsView, match: Match, spec: MethodSpec, p: Any, chosen: Route, *,
             counted: bool) -> Statistics | None:
     """The counts ``cache`` holds for this merge, as this merge would have counted them, or None.
 

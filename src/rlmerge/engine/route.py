@@ -28,7 +28,7 @@ from ..methods import Capability, MethodSpec, Observer
 from ..stream.fast import eligible, enabled, fast_block, row_step
 from ..stream.match import Job, Match
 from .budget import MemoryEstimate, estimate_fast, estimate_memory
-from .cache import CacheView
+from .cached import StatisticsView
 
 Kind = str  # "fused", "torch", or the kind of a family's own backend (Capability.kind: "select", "random")
 
@@ -55,11 +55,11 @@ class Route:
 
 def route(match: Match, spec: MethodSpec | None, p: Any, *, device: str = "cpu", block_size: int,
           extras: Sequence[Checkpoint] = (), resumed: bool = False, agents: int | None = None,
-          cached: CacheView | None = None, at: Callable[[str], Any] | None = None) -> Route:
+          cached: StatisticsView | None = None, at: Callable[[str], Any] | None = None) -> Route:
     """The route of a merge of ``match`` with ``spec`` and ``p`` (``spec`` None: ``inspect``, the statistics
     pass alone). ``agents``: the number of agents to budget memory for (a plan whose agents could not all be
     opened still estimates for every one). ``cached``: statistics an earlier merge of the same inputs gathered
-    (engine/cache.py); what they cover is not read again. ``at``: each tensor's parameters where a recipe gave
+    (cached.py); what they cover is not read again. ``at``: each tensor's parameters where a recipe gave
     them per tensor (its thresholds, hence its reads, may differ); the cache is keyed by one set of parameters,
     so it is not used for such a merge."""
     if at is not None:

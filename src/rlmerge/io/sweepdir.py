@@ -8,7 +8,7 @@ removed). The rules of ``partial.py`` hold here too:
 - the folder never is, contains or lies inside an input, and is never reached through a link;
 - ``rlmerge-sweep.json`` lists every file written here with its size and CRC-32; a file is written beside its
   name and renamed onto it, so a crash leaves the old file or the new one, never half of one. The one exception is
-  a search's study (``study.journal``, Optuna's journal: engine/search.py), which Optuna appends to: it is created
+  a search's study (``study.journal``, Optuna's journal: sweeping/search.py), which Optuna appends to: it is created
   here (never through a link), recorded after every operation the search completes, marked ``append``, and proven
   by the prefix recorded; what follows that prefix (an operation appended just before a crash, not yet recorded)
   is cut when the sweep is resumed, which returns the study to its last recorded state;
@@ -262,7 +262,7 @@ class SweepDir:
         doc = _read_json(folder / CHECKPOINT_MANIFEST) or {}
         remove_listed(folder, [*doc.get("files", {}), CHECKPOINT_MANIFEST])
 
-    # -- the statistics cache's store (engine/cache.Store) -----------------------------------------------------
+    # -- the statistics cache's store (sweeping/cache.Store) -----------------------------------------------------
     def read_arrays(self, name: str) -> dict[str, np.ndarray] | None:
         data = self.read(f"{CACHE}/{name}.npz")
         if data is None:

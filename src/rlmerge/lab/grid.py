@@ -4,7 +4,7 @@
 the engine's `rlmerge.sweep` once: every candidate is merged in float32 (so that no method is rounded back to
 bf16 before it is scored), in memory where it fits, and scored by the scorer the sweep calls (the lab's:
 `rlmerge.scoring.TaskScorer` on the validation split, in the view of the lab's models, `views.py`); only the
-sweep's best is written, as `best-1/` in the row's sweep folder. A cache the caller passes (`engine.cache.
+sweep's best is written, as `best-1/` in the row's sweep folder. A cache the caller passes (`sweeping.cache.
 StatsCache`) lets the rows of one seed count each statistic once: RAM+'s counts serve every RAM+ row but
 magnitude-ρ's (its exact sums are not cached).
 `pick` is the sweep's ranking (best validation average, the first of equals: grids list defaults first);
@@ -62,7 +62,7 @@ def evaluate_candidates(
     if reason is not None:
         raise EngineUnavailable(reason)
     import rlmerge
-    from rlmerge.engine.candidates import Candidate
+    from rlmerge.sweeping.candidates import Candidate
 
     cands = []
     for params in candidates:

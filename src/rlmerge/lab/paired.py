@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlmerge.engine.noise import paired_bootstrap
+from rlmerge.sweeping.noise import paired_bootstrap
 
 # Two-sided 95 % Student-t quantiles t_{0.975, df} for df = 1 … 30 (standard tables).
 T975 = (
@@ -91,7 +91,7 @@ def bootstrap_difference(
     """(difference, low, high) in points: paired bootstrap over test examples of avg(a) − avg(b).
 
     `a[family]` and `b[family]` are the 0/1 scores of the same examples in the same order. The sweep's
-    implementation (`rlmerge.engine.noise.paired_bootstrap`, which the lab's began as), in points.
+    implementation (`rlmerge.sweeping.noise.paired_bootstrap`, which the lab's began as), in points.
     """
     return paired_bootstrap(a, [b], draws=draws, seed=seed, scale=100.0)[0]
 

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from rlmerge.engine.cache import StatsCache
 from rlmerge.lab.density import PAPER_DENSITY, PAPER_UNIQUE_SHARE, task_vector_stats
 from rlmerge.lab.evaluate import score_checkpoint_each
 from rlmerge.lab.grid import evaluate_candidates, grid_position, pick
@@ -50,6 +49,7 @@ from rlmerge.lab.views import Kind
 from rlmerge.lab.workdir import claim
 from rlmerge.sandbox import ensure_isolation
 from rlmerge.scoring import TaskScorer
+from rlmerge.sweeping.cache import StatsCache
 
 __all__ = ["SIZES", "LabSize", "SeedResult", "run_lab", "run_pilot", "run_seed", "with_steps"]
 

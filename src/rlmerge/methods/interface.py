@@ -54,9 +54,10 @@ class Rows:
 
 
 class Entries(Protocol):
-    """A statistics cache's arrays for one merge's inputs (engine/cache.CacheView), under (kind, key, tensor): what
-    an observer or a family's backend found that another merge of the same inputs may reuse. ``key`` says what the
-    arrays depend on besides the inputs ("" for nothing); ``get`` sees what the cache held when the merge started."""
+    """A statistics cache's arrays for one merge's inputs (engine/cached.StatisticsView), under (kind, key,
+    tensor): what an observer or a family's backend found that another merge of the same inputs may reuse. ``key``
+    says what the arrays depend on besides the inputs ("" for nothing); ``get`` sees what the cache held when the
+    merge started."""
 
     def get(self, kind: str, key: str, name: str) -> np.ndarray | None: ...
 

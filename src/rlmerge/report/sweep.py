@@ -1,7 +1,7 @@
 """A sweep's results → ``report.md`` (per-task table, average with its interval, the candidates indistinguishable
 from the best, the Pareto set, confirmed scores, the search's trials, cost) and ``plot.png``.
 
-Reads the sweep's ``results.json`` document only (engine/sweep.py writes it; engine/noise.py says how the
+Reads the sweep's ``results.json`` document only (sweeping/sweep.py writes it; sweeping/noise.py says how the
 intervals and the indistinguishable set are computed).
 """
 

@@ -14,7 +14,7 @@ name                          what                                              
 ============================  ==========================================================================  =========
 
 A bare name is a lab family when it is one, else an lm-eval task. Every score is higher-is-better, and each comes
-with what is known of its noise (``engine.scores.TaskScore``: n, stderr, per-example results). A ``--tasks`` value
+with what is known of its noise (``sweeping.scores.TaskScore``: n, stderr, per-example results). A ``--tasks`` value
 is split at its commas (``split_task_list``), except that a ``cmd:`` entry takes the rest of the value (a command
 may hold commas): put it last, or give it in a ``--tasks`` of its own (the option repeats).
 
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal, Protocol
 
-from ..engine.build import Built
-from ..engine.scores import TaskScore
 from ..errors import ConfigError, ScorerError
+from ..sweeping.build import Built
+from ..sweeping.scores import TaskScore
 from .lmeval import ACCURACY_LIKE, primary_metric
 from .options import Backend, Options
 from .subject import Subject, load_model

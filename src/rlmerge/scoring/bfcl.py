@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.scores import TaskScore
 from ..errors import ConfigError
+from ..sweeping.scores import TaskScore
 from .chat import chat_replies, require, subset
 from .options import Options
 from .subject import Subject

@@ -11,7 +11,7 @@ sweep chooses, the held-out one under ``--confirm``: a command that ignores it s
 What it reports, one of:
 
 - without ``{output}``: a JSON object on stdout (the whole of stdout, else its last line that is one), task →
-  a number or ``{"score": s, "stderr": e, "n": k, "samples": [...], "ids": [...]}`` (engine/scores.py: samples in
+  a number or ``{"score": s, "stderr": e, "n": k, "samples": [...], "ids": [...]}`` (sweeping/scores.py: samples in
   the score's units; n and stderr follow from them);
 - with ``{output}``: lm-eval's results files in that folder (``--output_path {output}``), read as lm-eval's own
   output is (scoring/lmeval.py; its ``--log_samples`` files give the per-example results).
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ..engine.scores import TaskScore, make
 from ..errors import ConfigError, ScorerError
+from ..sweeping.scores import TaskScore, make
 from .lmeval import read_folder
 from .options import Options
 from .subject import Subject

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.scores import TaskScore
 from ..errors import ConfigError
+from ..sweeping.scores import TaskScore
 from .chat import chat_replies, require, subset
 from .options import Options
 from .subject import Subject

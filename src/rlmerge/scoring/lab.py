@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.scores import TaskScore
+from ..sweeping.scores import TaskScore
 from .options import Options
 from .subject import Subject
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.scores import TaskScore, make
 from ..errors import ConfigError, RLMergeError, ScorerError
+from ..sweeping.scores import TaskScore, make
 from .options import Options
 from .subject import Subject
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.scores import TaskScore, make
 from ..errors import ConfigError, RLMergeError, ScorerError
+from ..sweeping.scores import TaskScore, make
 from .subject import Subject
 
 

@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..engine.build import Built
 from ..errors import ConfigError
+from ..sweeping.build import Built
 
 
 def load_model(built: Built) -> tuple[Any, Any]:

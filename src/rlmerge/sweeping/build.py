@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..engine import budget
+from ..engine.merge import MergeResult, execute, merge, statistics_only
+from ..engine.preflight import Preflight, preflight
+from ..engine.route import route
 from ..errors import RLMergeError, raise_all
 from ..io.memory import MemoryWriter
 from ..io.sweepdir import SweepDir
-from . import budget
 from .cache import StatsCache
 from .candidates import Candidate
-from .merge import MergeResult, execute, merge, statistics_only
-from .preflight import Preflight, preflight
-from .route import route
 from .scores import TaskScore, details_json, make
 
 Memory = Literal["auto", "always", "never"]

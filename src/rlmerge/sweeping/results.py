@@ -10,13 +10,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._version import __version__
+from ..engine.preflight import Preflight
 from ..errors import OutputError, RLMergeError
 from ..io.sweepdir import SweepDir
 from ..stream.blocks import device_type
 from .build import Scored
 from .cache import inputs_key
 from .candidates import Candidate
-from .preflight import Preflight
 from .scores import details_from_json, make
 
 RESULTS = "results.json"

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..engine.merge import check_copies, merge
+from ..engine.preflight import Preflight, flat, preflight
 from ..errors import ConfigError, InputError, RLMergeError, raise_all
 from ..io.hub import push, push_problems
 from ..io.sweepdir import SweepDir
@@ -39,9 +41,7 @@ from ..stream.blocks import DEFAULT_BLOCK
 from .build import Built, Context, Memory, Scored, Scorer, build_and_score
 from .cache import StatsCache
 from .candidates import Candidate, check, parse_all
-from .merge import check_copies, merge
 from .noise import DRAWS, average_interval, compare
-from .preflight import Preflight, flat, preflight
 from .results import RESULTS, dump, from_record, new_doc, read_confirmed, resumed
 from .scores import TaskScore, details_json
 from .space import Space, parse_spaces
@@ -124,7 +124,7 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
         assert pf.match is not None and pf.base is not None  # no problems
         check_copies(pf.match)  # once for every candidate: they all copy the same tensors
         if backend == "ray":
-            from .distributed import init  # Ray is imported only here (the ``ray`` extra)
+            from ..engine.distributed import init  # Ray is imported only here (the ``ray`` extra)
 
             init()  # reached (or refused) before the sweep folder is claimed
         about = None if spaces is None else {"kind": search, "seed": seed, "spaces": [sp.text for sp in spaces]}
