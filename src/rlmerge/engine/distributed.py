@@ -1,14 +1,13 @@
-"""The Ray backend (``pip install 'rlmerge[ray]'``): a sweep's candidates as Ray tasks, one large merge split by shard.
+"""The Ray backend (``pip install 'rlmerge[ray]'``): one large merge split by output shard, and the Ray plumbing.
 
-Imported only when asked for (``backend="ray"``, ``rlmerge merge --backend ray``); nothing else imports Ray.
+Imported only when asked for (``rlmerge merge --backend ray``, a sweep's ``backend="ray"``); it is the only module
+that imports Ray: the sweep's candidate tasks (sweeping/distributed.py) connect (``init``), submit (``run_tasks``)
+and take ``ray`` from here.
 
-- **Sweep**: the driver counts the statistics each kind of candidate needs first (``sweep.warm``) and ships the
-  cache once (counts are kilobytes, round-0 histograms a few MB); each task builds one candidate (in memory where
-  it fits, else in the sweep folder, which every node must mount) and scores it, one per GPU when the device is
-  CUDA, one per CPU otherwise. Results are recorded as they come back, so a stopped sweep resumes after them.
-- **One merge**: statistics mapped over groups of tensors (each task reads its tensors from shared storage and
-  returns their counts: kilobytes), reduced on the driver in the order a local merge counts them; the driver
-  prepares the method's constants (λ, thresholds) and ships them; each merge task writes whole shards into the
+- **One merge**: the local merge's stages (``merge.stages``: statistics, prepare, merge pass, finish), its two
+  passes run by ``OnRay``: statistics mapped over groups of tensors (each task reads its tensors from shared
+  storage and returns their counts: kilobytes), reduced on the driver in the order a local merge counts them; the
+  driver prepares the method's constants (λ, thresholds) and ships them; each merge task writes whole shards into the
   partial folder (``io.shardfiles``) and returns their sizes and CRC-32s; the driver records the shards in order,
   writes the index, report and provenance, and publishes. Weights never pass through Ray's object store. The bytes
   are the local merge's for any number of workers and any partition (tests/test_distributed.py).
@@ -32,21 +31,20 @@ from ..io.partial import PartialDir, input_identity
 from ..io.shardfiles import ShardFiles
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards
 from ..methods import Observer, Run
-from ..stats import Statistics, TensorStats
+from ..stats import TensorStats
 from ..stream.blocks import DEFAULT_BLOCK
 from .backends import closing, make_backends
 from .cached import StatisticsCache
 from .merge import (
+    Local,
     MergeResult,
-    cached_statistics,
     check_copies,
-    finish_output,
-    method_rows,
+    local_statistics,
+    new_run,
     output_fingerprint,
-    rescale_survival,
+    stages,
     statistics_only,
 )
-from .passes import merge_pass
 from .preflight import Preflight, preflight
 from .progress import Progress
 from .reproduce import Reproduce, reproduce
@@ -239,9 +237,10 @@ def _statistics_task(req: _Request, names: list[str]) -> tuple[dict[str, TensorS
 def _merge_task(req: _Request, shard_ids: list[int], expected: list[str], prepared: Any, observer: Any,
                 tensor_stats: dict[str, TensorStats], collect: bool, output: str, tmp: str, metadata: dict[str, str],
                 fsync: bool) -> tuple[list[Record], dict[str, TensorStats], int, Observer | None]:
-    """Write shards ``shard_ids`` into the partial folder ``tmp``: ((file, bytes, CRC-32, notes on its tensors) of
-    each, counts, bytes read, the method's observer after merging them: what it found there (a trim's kept counts,
-    for the merge table's kept column) goes to the driver's, ``Observer.absorb``)."""
+    """Write shards ``shard_ids`` into the partial folder ``tmp`` (the local merge pass over their tensors):
+    ((file, bytes, CRC-32, notes on its tensors) of each, counts, bytes read, the method's observer after merging
+    them: what it found there (a trim's kept counts, for the merge table's kept column) goes to the driver's,
+    ``Observer.absorb``)."""
     pf = req.open()
     try:
         assert pf.match is not None and pf.spec is not None
@@ -251,23 +250,22 @@ def _merge_task(req: _Request, shard_ids: list[int], expected: list[str], prepar
                              file=req.base, hint="every node must see the same input files at the same paths")
         mine = [shards[i] for i in shard_ids]
         sub = _sub(pf, {j.name for s in mine for j in s.jobs})
-        extras = [x for x in pf.extras if x is not None]
-        stats = Statistics([a.label for a in sub.agents], pf.spec.epsilon(pf.params))
-        stats.tensors.update(tensor_stats)
-        n = len(sub.agents)
-        run = Run(sub, pf.spec, pf.params, stats, seed=req.seed, extras=extras, prepared=prepared,
-                  observer=observer if observer is not None else pf.spec.observer(pf.params, n))
-        chosen = route(sub, pf.spec, pf.params, device=req.device, block_size=req.block_size, extras=extras)
+        run = new_run(sub, pf.spec, pf.params, seed=req.seed, extras=[x for x in pf.extras if x is not None])
+        run.stats.tensors.update(tensor_stats)
+        run.prepared = prepared
+        if observer is not None:  # the driver's, after its statistics (else a fresh one, as it would ship)
+            run.observer = observer
+        chosen = route(sub, pf.spec, pf.params, device=req.device, block_size=req.block_size, extras=run.extras)
         fast, torch_backend = make_backends(chosen, run, block_size=req.block_size, device=req.device)
         files = ShardFiles(Path(output), Path(tmp))
         writer = CheckpointWriter(files, sub.jobs, metadata=metadata, fsync=fsync, shards=mine,  # type: ignore
                                   background=fast is not None)
         with closing(fast):
             with Progress(quiet=True) as progress, writer:
-                merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=collect)
+                Local(fast, torch_backend, writer, progress).merge(run, chosen, collect=collect)
                 writer.complete()
             fault_point()
-        return files.records, (stats.tensors if collect else {}), run.read_bytes, run.observer
+        return files.records, (run.stats.tensors if collect else {}), run.read_bytes, run.observer
     finally:
         pf.close()
 
@@ -317,6 +315,7 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
            workers: int | None, partition: Sequence[Sequence[int]] | None, retries: int,
            cache: StatisticsCache | None, defaults: list[str], notes: list[str],
            again: Reproduce | None = None) -> MergeResult:
+    """The local merge's stages (``merge.stages``), the passes run by ``OnRay``."""
     match, spec, p = pf.match, pf.spec, pf.params
     assert match is not None and spec is not None
     extras = [x for x in pf.extras if x is not None]
@@ -324,103 +323,87 @@ def _merge(pf: Preflight, partial: PartialDir, req: _Request, *, recipe: Mapping
                                       shard_bytes=req.shard_bytes, extras=extras)
     writer = CheckpointWriter(partial, match.jobs, shard_size=req.shard_bytes, metadata=metadata, fingerprint=fp,
                               fsync=fsync, identity=input_identity([match.base, *match.agents, *extras]))
-    groups = _partition(partition, len(writer.shards))
+    on_ray = OnRay(req, partial, writer, _partition(partition, len(writer.shards)), metadata, fsync,
+                   workers=workers, retries=retries)
     view = cache.view(match, extras) if cache is not None else None
+    run = new_run(match, spec, p, seed=req.seed, extras=extras, cache=view)
     with writer:
-        kept = writer.resumed
         chosen = route(match, spec, p, device=req.device, block_size=req.block_size, extras=extras,
-                       resumed=kept > 0, cached=view)
-        stats, observer, read = _statistics(pf, chosen, req, view, workers=workers, retries=retries)
-        needs = chosen.method_statistics
-        prepared = spec.prepare(p, stats if needs else None, len(match.agents))
-        collect = not stats.tensors
-        result = MergeResult(partial.output, spec.name, p, stats, passes=chosen.passes, defaults=defaults)
-        todo = [[i for i in g if i >= kept] for g in groups]
-        todo = [g for g in todo if g]
-        refs = (ray.put(prepared), ray.put(observer))
+                       resumed=writer.resumed > 0, cached=view)
+        result = stages(run, chosen, writer, on_ray, output=partial.output, recipe=recipe, defaults=defaults,
+                        notes=notes, again=again)
+    result.read_bytes = run.read_bytes  # the tasks count what they read, the copied tensors too
+    result.write_bytes = match.write_bytes
+    return result
+
+
+@dataclass
+class OnRay:
+    """A merge's two passes as Ray tasks (``merge.Passes``): the statistics mapped over groups of tensors (on the
+    driver when the method's observer is fed in that pass), the merge pass one task per group of output shards,
+    each running the local merge pass over its shards' tensors. What they count and write comes back in the order a
+    local merge makes it, so ``merge.stages`` goes on as it does locally."""
+
+    req: _Request
+    partial: PartialDir
+    writer: CheckpointWriter
+    groups: list[list[int]]  # output shards, one merge task per group
+    metadata: dict[str, str]
+    fsync: bool
+    workers: int | None = None
+    retries: int = 3
+
+    def statistics(self, run: Run, chosen: Route) -> None:
+        if chosen.observed:  # the observer is fed in the pass: on the driver
+            local_statistics(run, chosen, block_size=self.req.block_size, device=self.req.device)
+            return
+        jobs = run.match.merge_jobs
+        groups = _tensor_groups(jobs, self.workers or max(1, int(ray.cluster_resources().get("CPU", 1))))
+        parts: dict[str, TensorStats] = {}
+
+        def finished(i: int, value: Any) -> None:
+            tensors, nbytes = value
+            parts.update(tensors)
+            run.read_bytes += nbytes
+
+        task = _statistics_task.options(max_retries=self.retries, num_cpus=1)
+        run_tasks(groups, finished, limit=self.workers, submit=lambda i: task.remote(self.req, groups[i]))
+        numba = chosen.stats_fast
+        order = [j for j in jobs if j.name in numba] + [j for j in jobs if j.name not in numba]
+        run.stats.tensors = {j.name: parts[j.name] for j in order}  # reduced in a fixed order: a local merge's
+
+    def merge(self, run: Run, chosen: Route, *, collect: bool) -> None:
+        writer, kept = self.writer, self.writer.resumed
+        todo = [g for g in ([i for i in g if i >= kept] for g in self.groups) if g]
+        refs = (ray.put(run.prepared), ray.put(run.observer))
         expected = [s.filename for s in writer.shards]
         done: dict[int, Record] = {}
         counted: dict[str, TensorStats] = {}
         nxt = [kept]
 
-        trimmed = observer if observer is not None else spec.observer(p, len(match.agents))
-
         def finished(i: int, value: Any) -> None:
             records, tensors, nbytes, theirs = value
-            if trimmed is not None and theirs is not None:
-                trimmed.absorb(theirs)  # what a task's observer found while merging (a trim's kept counts)
+            if run.observer is not None and theirs is not None:
+                run.observer.absorb(theirs)  # what a task's observer found while merging (a trim's kept counts)
             for shard, rec in zip(todo[i], records):
                 done[shard] = rec
             counted.update(tensors)
-            nonlocal read
-            read += nbytes
+            run.read_bytes += nbytes
             while nxt[0] in done:  # recorded in order: an interrupted merge keeps a prefix of shards
                 writer.adopt(*done[nxt[0]])
                 nxt[0] += 1
 
-        task = _merge_task.options(max_retries=retries, num_cpus=1)
+        task = _merge_task.options(max_retries=self.retries, num_cpus=1)
 
         def submit(i: int) -> Any:
             names = {j.name for k in todo[i] for j in writer.shards[k].jobs}
-            return task.remote(req, todo[i], expected, refs[0], refs[1],
-                               {n: ts for n, ts in stats.tensors.items() if n in names}, collect,
-                               str(partial.output), str(partial.tmp), metadata, fsync)
+            return task.remote(self.req, todo[i], expected, refs[0], refs[1],
+                               {n: ts for n, ts in run.stats.tensors.items() if n in names}, collect,
+                               str(self.partial.output), str(self.partial.tmp), self.metadata, self.fsync)
 
-        run_tasks(todo, finished, limit=workers, submit=submit)
+        run_tasks(todo, finished, limit=self.workers, submit=submit)
         if collect:
-            stats.tensors = {j.name: counted[j.name] for j in match.merge_jobs}  # job order, as a local merge
-            if view is not None:
-                view.put_counts(spec, p, stats, chosen.fast)
-        method_rows(result, spec.report(p, prepared, trimmed, stats), [*notes, *match.warnings])  # as a local merge
-        if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
-            result.warnings += stats.identical_agents()
-        rescale_survival(result, match, writer.annotations())  # the workers' notes, adopted with their shards
-        finish_output(writer, match, result, recipe, again)
-    result.read_bytes = read  # the tasks count what they read, the copied tensors too
-    result.write_bytes = match.write_bytes
-    return result
-
-
-def _statistics(pf: Preflight, chosen: Route, req: _Request, view: Any, *, workers: int | None,
-                retries: int) -> tuple[Statistics, Any, int]:
-    """(statistics, the observer its pass fed or None, bytes read): mapped over tensor groups when the method's
-    observer is not fed in the statistics pass, counted on the driver when it is; from the cache when it holds
-    them; empty when no statistics pass runs (the merge tasks count)."""
-    match, spec, p = pf.match, pf.spec, pf.params
-    assert match is not None and spec is not None
-    extras = [x for x in pf.extras if x is not None]
-    stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
-    if not chosen.statistics:
-        if view is not None:
-            stats = cached_statistics(view, match, spec, p, chosen, counted=chosen.method_statistics) or stats
-        observer = None
-        if view is not None and stats.tensors and chosen.method_statistics:
-            observer = spec.observer(p, len(match.agents))
-            view.fill_observer(observer, match.merge_jobs)
-            stats.observed = observer
-        return stats, observer, 0
-    observer = spec.observer(p, len(match.agents))
-    if chosen.observed:  # the observer is fed in the pass: on the driver
-        stats, observer, nbytes = statistics_only(match, spec, p, chosen, block_size=req.block_size,
-                                                  device=req.device, seed=req.seed, extras=extras, cache=view)
-        return stats, observer, nbytes
-    jobs = match.merge_jobs
-    groups = _tensor_groups(jobs, workers or max(1, int(ray.cluster_resources().get("CPU", 1))))
-    parts: dict[str, TensorStats] = {}
-    read = [0]
-
-    def finished(i: int, value: Any) -> None:
-        tensors, nbytes = value
-        parts.update(tensors)
-        read[0] += nbytes
-
-    task = _statistics_task.options(max_retries=retries, num_cpus=1)
-    run_tasks(groups, finished, limit=workers, submit=lambda i: task.remote(req, groups[i]))
-    order = [j for j in jobs if j.name in chosen.stats_fast] + [j for j in jobs if j.name not in chosen.stats_fast]
-    stats.tensors = {j.name: parts[j.name] for j in order}  # reduced in a fixed order: a local merge's
-    if view is not None:
-        view.put_counts(spec, p, stats, chosen.stats_fast)
-    return stats, None, read[0]
+            run.stats.tensors = {j.name: counted[j.name] for j in run.match.merge_jobs}  # job order, as locally
 
 
 def _tensor_groups(jobs: Sequence[Any], n: int) -> list[list[str]]:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import ConfigError, InputError, RLMergeError, raise_all
 from ..io.checkpoint import SIDE_FILES, Checkpoint
@@ -16,7 +16,7 @@ from ..io.hub import push, push_problems
 from ..io.partial import PartialDir, fingerprint, input_identity
 from ..io.tokenizer import GENERATION, TEMPLATE_FILES, TOKENIZER_FILES
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
-from ..methods import MethodSpec, Rows, Run, inspected
+from ..methods import MethodSpec, Rows, Run, Runner, inspected
 from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
 from ..report.card import adapter_lines, model_card
 from ..report.provenance import provenance
@@ -25,7 +25,7 @@ from ..stream.blocks import DEFAULT_BLOCK, device_type, spans
 from ..stream.match import Match
 from . import survival
 from .adapter import AdapterOptions, AdapterWriter, adapter_writer
-from .backends import closing, make_backends
+from .backends import TorchBackend, closing, make_backends
 from .cached import StatisticsCache, StatisticsView
 from .passes import merge_pass, statistics_pass
 from .preflight import preflight
@@ -179,52 +179,124 @@ def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool]
             at: Callable[[str], Any] | None = None, schedule: Mapping[str, Any] | None = None,
             defaults: Sequence[str] | None = None, notes: Sequence[str] | None = None,
             again: Reproduce | None = None) -> MergeResult:
-    """One merge, into the writer ``make_writer(background)`` returns: ``CheckpointWriter`` (shards in a partial
-    folder) or ``io.memory.MemoryWriter`` (a sweep's candidate, a state dict). ``cache``: statistics an earlier
-    merge of the same inputs gathered (a sweep's); what it covers is not read again, and what this merge
+    """One merge on this machine, into the writer ``make_writer(background)`` returns: ``CheckpointWriter`` (shards
+    in a partial folder) or ``io.memory.MemoryWriter`` (a sweep's candidate, a state dict). ``cache``: statistics
+    an earlier merge of the same inputs gathered (a sweep's); what it covers is not read again, and what this merge
     gathers is added to it. ``at``/``schedule``: a recipe's per-tensor parameters (the cache is not used with
     them); ``defaults``/``notes``: what the recipe's translation applied and ignored, for the provenance; ``again``:
     the recipe that reproduces the merge, for the model card."""
-    extras = list(extras)
     if at is not None:
         cache = None  # the cache is keyed by one set of parameters
-    stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
-    run = Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents), at), extras=extras,
-              cache=cache, at=at)
-    chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, cached=cache, at=at)
+    run = new_run(match, spec, p, seed=seed, extras=extras, cache=cache, at=at)
+    chosen = route(match, spec, p, device=device, block_size=block_size, extras=run.extras, cached=cache, at=at)
     fast, torch_backend = make_backends(chosen, run, block_size=block_size, device=device)
     writer = make_writer(fast is not None)
     with Progress(quiet=quiet) as progress, closing(fast), writer:
         if writer.resumed:  # the kept shards' tensors are not merged again: a statistics pass recounts them
-            chosen = route(match, spec, p, device=device, block_size=block_size, extras=extras, resumed=True,
+            chosen = route(match, spec, p, device=device, block_size=block_size, extras=run.extras, resumed=True,
                            cached=cache, at=at)
-        collect = not chosen.statistics
-        if chosen.statistics:
-            statistics_pass(run, chosen, fast, torch_backend, progress)
-            stats.observed = run.observer
-            if cache is not None:
-                cache.put_counts(spec, p, stats, chosen.stats_fast)
-                cache.put_observer(run.observer)
-        elif cache is not None:
-            run.stats = stats = cached_statistics(cache, match, spec, p, chosen, counted=chosen.method_statistics
-                                        or writer.resumed > 0) or stats
-            collect = not stats.tensors
-            if not collect and chosen.method_statistics:  # what the skipped pass would have observed
-                cache.fill_observer(run.observer, match.merge_jobs)
-                stats.observed = run.observer
-        needs = chosen.method_statistics
-        run.prepared = spec.prepare(p, stats if needs else None, len(match.agents))
-        merge_pass(run, chosen, fast, torch_backend, writer, progress, collect=collect)
-        if collect and cache is not None:
-            cache.put_counts(spec, p, stats, chosen.fast)  # counted by the backend that merged each tensor
-        result = MergeResult(output, spec.name, p, stats, passes=chosen.passes, defaults=list(defaults or ()),
-                             per_tensor={k: str(v) for k, v in (schedule or {}).items()})
-        method_rows(result, spec.report(p, run.prepared, run.observer, stats), [*(notes or ()), *match.warnings])
-        if not needs and spec.task_vectors:  # linear averages the models: a copy of the base counts like any other
-            result.warnings += stats.identical_agents()
-        rescale_survival(result, match, writer.annotations())
-        finish_output(writer, match, result, recipe, again)
+        result = stages(run, chosen, writer, Local(fast, torch_backend, writer, progress), output=output,
+                        recipe=recipe, schedule=schedule, defaults=defaults, notes=notes, again=again)
     result.read_bytes, result.write_bytes = run.read_bytes, match.write_bytes
+    return result
+
+
+# -- the stages of a merge, after its route: here (``Local``) or as Ray tasks (distributed.py) ---------------------
+class Passes(Protocol):
+    """Where a merge's two passes run, over the tensors ``chosen`` gives each backend: on this machine (``Local``)
+    or as Ray tasks (``distributed.OnRay``). Either fills ``run.stats`` in the order a local merge counts (the
+    statistics pass: numba's tensors, then torch's; the merge pass, with ``collect``: job order), adds what it
+    reads to ``run.read_bytes``, and writes every pending tensor through the merge's writer."""
+
+    def statistics(self, run: Run, chosen: Route) -> None: ...
+
+    def merge(self, run: Run, chosen: Route, *, collect: bool) -> None: ...
+
+
+@dataclass
+class Local:
+    """The passes on this machine: the backends the route chose, through ``passes.py``."""
+
+    fast: Runner | None
+    torch: TorchBackend
+    writer: Any
+    progress: Progress
+
+    def statistics(self, run: Run, chosen: Route) -> None:
+        statistics_pass(run, chosen, self.fast, self.torch, self.progress)
+
+    def merge(self, run: Run, chosen: Route, *, collect: bool) -> None:
+        merge_pass(run, chosen, self.fast, self.torch, self.writer, self.progress, collect=collect)
+
+
+def new_run(match: Match, spec: MethodSpec, p: Any, *, seed: int, extras: Sequence[Checkpoint] = (),
+            cache: StatisticsView | None = None, at: Callable[[str], Any] | None = None) -> Run:
+    """What a merge's passes share, before them: empty statistics, and the method's observer if it has one."""
+    stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
+    return Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents), at),
+               extras=list(extras), cache=cache, at=at)
+
+
+def stages(run: Run, chosen: Route, writer: Any, passes: Passes, *, output: Path,
+           recipe: Mapping[str, Any] | None, schedule: Mapping[str, Any] | None = None,
+           defaults: Sequence[str] | None = None, notes: Sequence[str] | None = None,
+           again: Reproduce | None = None) -> MergeResult:
+    """A merge after its route, with ``writer`` entered: the statistics (``gather_statistics``), the method's
+    ``prepare``, the merge pass, and what follows it (``after_merge``). ``passes`` runs the two passes: ``execute``
+    hands it this machine's backends, ``distributed.merge_on_ray`` Ray tasks; every decision between them is made
+    here, once."""
+    collect = gather_statistics(run, chosen, passes, resumed=writer.resumed > 0)
+    run.prepared = run.spec.prepare(run.params, run.stats if chosen.method_statistics else None,
+                                    len(run.match.agents))
+    passes.merge(run, chosen, collect=collect)
+    return after_merge(run, chosen, writer, collect=collect, output=output, recipe=recipe, schedule=schedule,
+                  defaults=defaults, notes=notes, again=again)
+
+
+def gather_statistics(run: Run, chosen: Route, passes: Passes, *, resumed: bool) -> bool:
+    """The statistics before the merge pass: the statistics pass when the route runs one (then kept in the cache),
+    else what the cache holds for this merge. True when there are none: the merge pass counts them (``collect``)."""
+    match, spec, p, cache = run.match, run.spec, run.params, run.cache
+    if chosen.statistics:
+        passes.statistics(run, chosen)
+        keep_statistics(run, chosen)
+        return False
+    if cache is None:
+        return True
+    run.stats = cached_statistics(cache, match, spec, p, chosen,
+                                  counted=chosen.method_statistics or resumed) or run.stats
+    if not run.stats.tensors:
+        return True
+    if chosen.method_statistics:  # what the skipped pass would have observed
+        cache.fill_observer(run.observer, match.merge_jobs)
+        run.stats.observed = run.observer
+    return False
+
+
+def keep_statistics(run: Run, chosen: Route) -> None:
+    """After a statistics pass: its observer is the statistics', and the cache keeps both for later merges."""
+    run.stats.observed = run.observer
+    if run.cache is not None:
+        run.cache.put_counts(run.spec, run.params, run.stats, chosen.stats_fast)
+        run.cache.put_observer(run.observer)
+
+
+def after_merge(run: Run, chosen: Route, writer: Any, *, collect: bool, output: Path,
+                recipe: Mapping[str, Any] | None, schedule: Mapping[str, Any] | None = None,
+                defaults: Sequence[str] | None = None, notes: Sequence[str] | None = None,
+                again: Reproduce | None = None) -> MergeResult:
+    """After the merge pass: the counts it made into the cache, the result with the method's rows and warnings,
+    then the finished output (``finish_output``)."""
+    match, spec, p, stats = run.match, run.spec, run.params, run.stats
+    if collect and run.cache is not None:
+        run.cache.put_counts(spec, p, stats, chosen.fast)  # counted by the backend that merged each tensor
+    result = MergeResult(output, spec.name, p, stats, passes=chosen.passes, defaults=list(defaults or ()),
+                         per_tensor={k: str(v) for k, v in (schedule or {}).items()})
+    method_rows(result, spec.report(p, run.prepared, run.observer, stats), [*(notes or ()), *match.warnings])
+    if not chosen.method_statistics and spec.task_vectors:  # linear averages the models: a copy of the base counts
+        result.warnings += stats.identical_agents()
+    rescale_survival(result, match, writer.annotations())
+    finish_output(writer, match, result, recipe, again)
     return result
 
 
@@ -233,16 +305,17 @@ def statistics_only(match: Match, spec: MethodSpec, p: Any, chosen: Route, *, bl
                     cache: StatisticsView | None = None) -> tuple[Statistics, Any, int]:
     """The statistics pass of ``chosen`` alone: (statistics, the method's observer after it, bytes read). What a
     sweep counts once before its candidates run elsewhere, and what a Ray task counts for its tensors."""
-    stats = Statistics([a.label for a in match.agents], spec.epsilon(p))
-    run = Run(match, spec, p, stats, seed=seed, observer=spec.observer(p, len(match.agents)), extras=list(extras))
+    run = new_run(match, spec, p, seed=seed, extras=extras, cache=cache)
+    local_statistics(run, chosen, block_size=block_size, device=device)
+    keep_statistics(run, chosen)
+    return run.stats, run.observer, run.read_bytes
+
+
+def local_statistics(run: Run, chosen: Route, *, block_size: int, device: str) -> None:
+    """The statistics pass on this machine, on backends opened for it alone."""
     fast, torch_backend = make_backends(chosen, run, block_size=block_size, device=device)
     with Progress(quiet=True) as progress, closing(fast):
-        statistics_pass(run, chosen, fast, torch_backend, progress)
-    stats.observed = run.observer
-    if cache is not None:
-        cache.put_counts(spec, p, stats, chosen.stats_fast)
-        cache.put_observer(run.observer)
-    return stats, run.observer, run.read_bytes
+        Local(fast, torch_backend, None, progress).statistics(run, chosen)
 
 
 def method_rows(result: MergeResult, rows: Rows, warnings: list[str]) -> None:
