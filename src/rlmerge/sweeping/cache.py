@@ -11,12 +11,13 @@ input_identity``, and the jobs: names, sizes, tied double counts, missing tensor
   keeps each tensor's round-0 histogram of |τ| (any density: a TIES / Breadcrumbs threshold then needs only its
   in-bin rounds) and its thresholds per selection (another scaling or other weights then read each tensor once).
 
-A merge sees a ``CacheView``: a snapshot of what the cache held when it started (what it adds is seen by the next
-merge, never by itself, so the route's reads stay what it planned). ``route`` asks the view whether the statistics
-pass can be skipped (``covers``: the counts, and what the observer says it can reuse), and a family's backend how
-often it reads a tensor (from what the view holds). The entries are
-kilobytes (counts) to a few MB (histograms: N · 2,049 · 8 bytes per tensor); ``save`` and ``load`` keep them in
-a folder (``io.sweepdir``) so that ``--resume`` does not count again.
+``StatsCache`` and ``CacheView`` are what ``engine/cached.py`` declares (``StatisticsCache``, ``StatisticsView``):
+the merge core knows them only as those protocols. A merge sees a ``CacheView``: a snapshot of what the cache held
+when it started (what it adds is seen by the next merge, never by itself, so the route's reads stay what it
+planned). ``route`` asks the view whether the statistics pass can be skipped (``covers``: the counts, and what the
+observer says it can reuse), and a family's backend how often it reads a tensor (from what the view holds). The
+entries are kilobytes (counts) to a few MB (histograms: N · 2,049 · 8 bytes per tensor); ``save`` and ``load``
+keep them in a folder (``io.sweepdir``) so that ``--resume`` does not count again.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A sweep's ``results.json``: the document it writes as it goes (its fingerprint says which sweep it is), and what
 ``--resume`` reads back of an earlier run's (finished candidates, confirmed scores), after checking it is this
-sweep's. engine/sweep.py writes it; report/sweep.py renders it.
+sweep's. sweep.py writes it; report/sweep.py renders it.
 """
 
 from __future__ import annotations

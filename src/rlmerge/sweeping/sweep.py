@@ -1,6 +1,6 @@
 """``rlmerge.sweep``: merge many candidates of the same inputs, score each, rank them, keep the best.
 
-Every candidate is an ordinary merge (``merge.execute``: the same route, backends and passes), sharing one
+Every candidate is an ordinary merge (``engine.merge.execute``: the same route, backends and passes), sharing one
 statistics cache (cache.py): RAM+'s counts are gathered once for every preset, r, α and R; a TIES / Breadcrumbs
 selection reuses the round-0 histograms and, for the same densities, the thresholds. A candidate whose model fits
 in memory is built into a state dict (``io.memory.MemoryWriter``) and scored there; a larger one is merged into
@@ -12,7 +12,7 @@ of Optuna and told their average. After the ranking, the candidates the scores c
 (noise.py), and ``confirm`` scores the best again on a held-out split.
 
 A scorer is any callable ``scorer(built) -> {task: score}`` (higher is better); a score is a number or a
-``TaskScore`` (its examples, standard error and per-example results: engine/scores.py, recorded in results.json).
+``TaskScore`` (its examples, standard error and per-example results: scores.py, recorded in results.json).
 ``rlmerge.scoring`` makes one from names: the lab's tasks, lm-eval, BFCL, HumanEval, a command, a Python function.
 
 >>> res = rlmerge.sweep("base/", ["a1/", "a2/"], "sweep/", candidates=["ram+ r=0.05,0.1 alpha=1,2"],
