@@ -41,6 +41,42 @@ def test_validation_and_training_prompts_avoid_the_test_split() -> None:
     )
 
 
+def test_a_disjoint_split_keeps_the_familys_mix() -> None:
+    """Coding's string operations have 32 distinct prompts and a 128-example test split uses most of them: skipping
+    every excluded draw left 6 of 64 validation examples on string ops (test: 35 of 128). Replacing an excluded
+    draw by one of its own operation keeps the mix (2 of the 7 operations are on strings)."""
+    strings = {"upper", "reverse"}
+    drawn = []
+    for seed in range(5):
+        test = {ex.prompt for ex in make_split(make_family("coding"), "test", 128, seed)}
+        val = held_out_split("coding", "val", 64, seed, disjoint_from_test=128)
+        assert not any(ex.prompt in test for ex in val)
+        drawn += val
+    share = sum(ex.stratum in strings for ex in drawn) / len(drawn)
+    assert abs(share - 2 / 7) < 0.075, share  # 320 draws: the binomial sd of the share is 0.025
+
+
+def test_a_family_of_one_stratum_skips_the_excluded_draws() -> None:
+    """Without strata the replacement draw is the next draw: the split is the one that skipping them gave."""
+
+    class TenPrompts:
+        name = "memory"
+
+        def sample(self, rng: random.Random) -> Example:
+            k = rng.randrange(10)
+            return Example("memory", f"prompt {k}", " red", {"answer": "red", "codes": ["red"]})
+
+    exclude = {f"prompt {k}" for k in range(5)}
+    rng = random.Random("memory/val/2000003")
+    skipped: list[Example] = []
+    while len(skipped) < 32:
+        ex = TenPrompts().sample(rng)
+        if ex.prompt not in exclude:
+            skipped.append(ex)
+    assert make_split(TenPrompts(), "val", 32, 0, exclude=exclude) == skipped  # type: ignore[arg-type]
+    assert make_split(TenPrompts(), "val", 32, 0) != skipped  # type: ignore[arg-type]
+
+
 def test_a_split_that_cannot_avoid_the_excluded_prompts_says_so() -> None:
     class OnePrompt:
         name = "memory"

@@ -33,23 +33,33 @@ def make_split(
 ) -> list[Example]:
     """`n` examples of one split, deterministic in (family, split, seed).
 
-    `exclude`: prompts that must not occur (e.g. the test split's, for a validation split disjoint from it):
-    such draws are skipped, so with an empty `exclude` the split is the same as ever.
+    `exclude`: prompts that must not occur (e.g. the test split's, for a validation split disjoint from it). Each
+    example is drawn as without it; one whose prompt is excluded is replaced by the next draw of the same stratum
+    (``Example.stratum``: coding's operation) whose prompt is not, so the split keeps the family's mix even where
+    one kind has few distinct prompts (coding's string operations: 32). With an empty `exclude` the split is the
+    same as ever, and for a family of one stratum the same as skipping the excluded draws.
     """
     rng = random.Random(f"{family.name}/{split}/{seed + SPLIT_OFFSETS[split]}")
     if not exclude:
         return [family.sample(rng) for _ in range(n)]
     out: list[Example] = []
-    for _ in range(MAX_DRAWS_PER_EXAMPLE * max(n, 1)):
-        if len(out) == n:
-            return out
-        ex = family.sample(rng)
-        if ex.prompt not in exclude:
-            out.append(ex)
-    raise ValueError(
-        f"{family.name}: could not draw {n} {split} examples outside the {len(exclude)} excluded prompts; "
-        "ask for fewer examples or exclude fewer prompts"
-    )
+    budget = MAX_DRAWS_PER_EXAMPLE * max(n, 1)
+    while len(out) < n:
+        want = family.sample(rng)
+        budget -= 1
+        while want.prompt in exclude and budget > 0:
+            draw = family.sample(rng)
+            budget -= 1
+            if draw.stratum == want.stratum:
+                want = draw
+        if want.prompt in exclude:
+            kind = f" of kind {want.stratum!r}" if want.stratum else ""
+            raise ValueError(
+                f"{family.name}: could not draw {n} {split} examples{kind} outside the {len(exclude)} excluded "
+                "prompts; ask for fewer examples or exclude fewer prompts"
+            )
+        out.append(want)
+    return out
 
 
 def held_out_split(name: str, split: str, n: int, seed: int, disjoint_from_test: int = 0) -> list[Example]:

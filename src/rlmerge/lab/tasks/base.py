@@ -16,6 +16,9 @@ class Example:
     target: str
     # JSON-serialisable data the scorer needs (expected call, expected stdout, expected value).
     check: dict
+    # The kind of instance (coding: the operation), kept when a split avoids another split's prompts
+    # (`make_split`'s exclude), so that avoiding them does not change the split's mix; "" for one kind only.
+    stratum: str = ""
 
 
 class TaskFamily(Protocol):

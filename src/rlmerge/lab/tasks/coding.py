@@ -107,7 +107,7 @@ class Coding:
             value = [rng.randint(0, 9) for _ in range(rng.randint(3, 5))]
             literal = str(value)
         prompt = f"task: {rng.choice(templates).format(literal)}\ncode:"
-        return Example(self.name, prompt, " " + program.format(literal), {"stdout": expected(value)})
+        return Example(self.name, prompt, " " + program.format(literal), {"stdout": expected(value)}, stratum=op)
 
     def _run(self, completion: str) -> tuple[bool, str]:
         code = answer_part(completion)
