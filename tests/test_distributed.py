@@ -175,6 +175,27 @@ def test_a_killed_worker_is_retried_and_a_merge_out_of_retries_resumes(cluster, 
     same_folder(local.output, res.output)
 
 
+def test_a_resumed_ray_merge_takes_its_statistics_from_a_cache_as_locally(cluster, example, tmp_path: Path) -> None:
+    """The Ray driver runs the local merge's stages: a cache that holds the statistics skips the statistics pass
+    (on a fresh merge and on a resumed one), and the output is the local merge's, byte for byte."""
+    from rlmerge.sweeping.cache import StatsCache
+
+    base, agents = example
+    kw = {"method": "ram+", "shard_size": SHARD, "dtype": "bfloat16"}
+    cache = StatsCache()
+    local = rlmerge.merge(base, agents, tmp_path / "local", cache=cache, **kw)
+    assert local.passes == ["statistics", "merge"]
+    res = merge_on_ray(base, agents, tmp_path / "fresh", cache=cache, workers=2, **kw)
+    assert res.passes == ["merge"]
+    same_folder(local.output, res.output)
+    cluster.write_text("")  # the next merge task's worker dies after writing its shards: the merge stops
+    with pytest.raises(OutputError, match="--resume"):
+        merge_on_ray(base, agents, tmp_path / "resumed", cache=cache, workers=1, retries=0, **kw)
+    res = merge_on_ray(base, agents, tmp_path / "resumed", cache=cache, workers=1, resume=True, **kw)
+    assert res.passes == ["merge"]
+    same_folder(local.output, res.output)
+
+
 class Norms:
     """One 'task': the negative distance of the merge to the first agent (a scorer Ray pickles to its workers)."""
 
