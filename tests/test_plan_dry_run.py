@@ -93,3 +93,49 @@ def test_side_inputs_are_checked_too(example, tmp_path: Path, no_weight_reads) -
     r = dryrun.dry_run(base, agents, method="fisher", params={"fisher": ",".join(missing)})
     assert sorted(p.file for p in r.problems) == missing
     assert all(isinstance(p, InputError) for p in r.problems)
+
+
+def test_plan_of_a_lora_adapter_bounds_its_bytes_and_budgets_its_factorization(example, tmp_path: Path,
+                                                                              no_weight_reads, monkeypatch) -> None:
+    """`--output-format peft`: the same passes and reads as the full merge; the bytes written are each linear
+    layer's float32 factors (k × n and m × k, k = min(R, m, n)) plus, at most, every other merged tensor whole;
+    the memory has the factorization on top. The merge then writes exactly the factors and no more than the bound."""
+    base, agents = example
+    hf = dryrun.dry_run(base, agents, tmp_path / "out", method="ties")
+    r = dryrun.dry_run(base, agents, tmp_path / "out", method="ties", output_format="peft", rank="4")
+    assert r.ok and r.write_at_most and r.shards == 1 and r.rank == "4"
+    assert (r.passes, r.read_bytes) == (hf.passes, hf.read_bytes)
+    tensors = load_file(str(base / "model.safetensors"))  # safetensors' own reader: not rlmerge's
+    linear = {k: t.shape for k, t in tensors.items() if t.dim() == 2 and k.endswith(".weight")
+              and not k.endswith(("embed_tokens.weight", "lm_head.weight"))}
+    lora = sum(4 * (m + n) * min(4, m, n) for m, n in linear.values())
+    whole = sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in linear)  # bf16, as the base
+    assert "lm_head.weight" not in tensors  # TINY ties: the embedding is saved under lm_head too
+    tied = tensors["model.embed_tokens.weight"]
+    assert r.write_bytes == lora + whole + tied.numel() * tied.element_size()
+    assert r.memory is not None and hf.memory is not None
+    largest = max(m * n for m, n in linear.values())
+    assert r.memory.total - hf.memory.total >= 20 * largest  # the float32/float64 copies of one matrix, at least
+    assert r.to_json()["write_bytes_at_most"] is True and r.to_json()["output_format"] == "peft"
+    monkeypatch.undo()  # weights may be read again
+    res = rlmerge.merge(base, agents, tmp_path / "out", method="ties", output_format="peft", rank="4")
+    written = load_file(str(res.output / "adapter_model.safetensors"))
+    assert sum(t.numel() * t.element_size() for k, t in written.items() if ".lora_" in k) == lora
+    assert _data_bytes(res.output, "adapter_model.safetensors") <= r.write_bytes
+
+
+def test_plan_refuses_what_an_adapter_merge_and_a_push_would_refuse_all_at_once(example, tmp_path: Path,
+                                                                               no_weight_reads, capsys) -> None:
+    """A bad rank, a bad --non-linear, --resume of an adapter and a push that cannot happen (the suite is offline):
+    `plan` reports each, as `merge` refuses each, before any weight is read."""
+    base, agents = example
+    rc = main(["plan", str(base), *map(str, agents), "-o", str(tmp_path / "out"), "--output-format", "peft",
+               "--rank", "0", "--non-linear", "drop", "--resume", "--push-to-hub", "org/merged", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc != 0 and not doc["ok"]
+    said = "\n".join(doc["problems"])
+    for expected in ("--rank", "--non-linear 'drop'", "an adapter is written in one go", "HF_HUB_OFFLINE is set"):
+        assert expected in said, said
+    for bad in ({"rank": "0"}, {"non_linear": "drop"}, {"push_to_hub": "org/merged"}):
+        with pytest.raises(rlmerge.RLMergeError):
+            rlmerge.merge(base, agents, tmp_path / "o2", output_format="peft", **bad)

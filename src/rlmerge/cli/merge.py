@@ -108,12 +108,9 @@ def merge_command(
     push_to_hub: o.PushToHub = None,
     private: o.Private = False,
     revision: o.Revision = None,
-    output_format: Annotated[str | None, typer.Option(help="hf (a full model, default) or peft (the merged task "
-                                                           "vector as a LoRA adapter of the base)")] = None,
-    rank: Annotated[str | None, typer.Option(help="--output-format peft: the LoRA rank, R, full (exact) or "
-                                                  "energy=0.99 (per matrix, the share of ‖Δ‖² kept)")] = None,
-    non_linear: Annotated[str | None, typer.Option(help="--output-format peft: save (changed norms, embeddings and "
-                                                        "biases go into modules_to_save, default) or refuse")] = None,
+    output_format: o.OutputFormat = None,
+    rank: o.Rank = None,
+    non_linear: o.NonLinear = None,
     flags: dict[str, Any] | None = None,  # the methods' own options (options.method_flags)
 ) -> None:
     """Merge AGENTs (RL fine-tunes of BASE) into one Hugging Face checkpoint (or a LoRA adapter of BASE)."""

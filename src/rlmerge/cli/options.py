@@ -37,6 +37,12 @@ PushToHub = Annotated[str | None, typer.Option(help="upload the finished output 
                                                     "checked before any weight is read, pushed once complete")]
 Private = Annotated[bool, typer.Option(help="--push-to-hub: create the repository private")]
 Revision = Annotated[str | None, typer.Option(help="--push-to-hub: the branch to commit to (created if needed)")]
+OutputFormat = Annotated[str | None, typer.Option(help="hf (a full model, default) or peft (the merged task vector "
+                                                       "as a LoRA adapter of the base)")]
+Rank = Annotated[str | None, typer.Option(help="--output-format peft: the LoRA rank, R, full (exact) or energy=0.99 "
+                                               "(per matrix, the share of ‖Δ‖² kept)")]
+NonLinear = Annotated[str | None, typer.Option(help="--output-format peft: save (changed norms, embeddings and biases "
+                                                    "go into modules_to_save, default) or refuse")]
 UnsafeUnisolatedCode = Annotated[bool, typer.Option(
     UNSAFE_FLAG, help="where bubblewrap cannot isolate it, run model-written code (the coding scorer) WITHOUT "
                       "isolation: it can then read and write your files and reach the network. Only for models you "

@@ -32,16 +32,24 @@ def plan_command(
     force: Annotated[bool, typer.Option(help="the merge will replace an existing output")] = False,
     resume: Annotated[bool, typer.Option(help="the merge will resume an interrupted one")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
+    output_format: o.OutputFormat = None,
+    rank: o.Rank = None,
+    non_linear: o.NonLinear = None,
+    push_to_hub: o.PushToHub = None,
+    revision: o.Revision = None,
     flags: dict[str, Any] | None = None,  # the methods' own options (options.method_flags)
 ) -> None:
     """Check a merge from headers only (no weight is read): report every problem and what it will cost."""
     req = gather(models, recipe, method, dtype, param, **(flags or {}))
+    output_options = ("output_format", "rank", "non_linear")
     options = {k: v for k, v in req.options.items()
-               if k in ("shard_size", "block_size", "tokenizer_source", "chat_template")}
+               if k in ("shard_size", "block_size", "tokenizer_source", "chat_template", *output_options)}
     allow_missing = allow_missing or bool(req.options.get("allow_missing", False))
     count_tied_twice = count_tied_twice or bool(req.options.get("count_tied_twice", False))
     options.update({k: v for k, v in {"shard_size": shard_size, "block_size": block_size,
-                                      "tokenizer_source": tokenizer_source, "chat_template": chat_template}.items()
+                                      "tokenizer_source": tokenizer_source, "chat_template": chat_template,
+                                      "output_format": output_format, "rank": rank, "non_linear": non_linear,
+                                      "push_to_hub": push_to_hub, "revision": revision}.items()
                     if v is not None})
     report = dry_run(req.base, req.agents, output, method=req.method, params=req.params, dtype=req.dtype,
                      allow_missing=allow_missing, count_tied_twice=count_tied_twice, force=force, resume=resume,
@@ -75,8 +83,13 @@ def print_report(r: DryRun) -> None:
             rows = r.tokenizer.vocab_size or "the base's"
             out.print(f"tokenizer: {r.tokenizer.source}; chat template: {r.tokenizer.chat_template}"
                       + (f"; {len(added)} token(s) added, {rows} rows" if added else ""))
-        out.print(f"passes: {' + '.join(r.passes)}; read {_size(r.read_bytes)}, write {_size(r.write_bytes)} "
-                  f"in {r.shards} shard(s), merged tensors as {'/'.join(r.match.merged_dtypes)}")
+        if r.write_at_most:
+            written = (f"write at most {_size(r.write_bytes)} as a LoRA adapter (rank {escape(str(r.rank))}; only "
+                       "the changed non-linear tensors are saved)")
+        else:
+            written = (f"write {_size(r.write_bytes)} in {r.shards} shard(s), merged tensors as "
+                       f"{'/'.join(r.match.merged_dtypes)}")
+        out.print(f"passes: {' + '.join(r.passes)}; read {_size(r.read_bytes)}, {written}")
     if r.memory is not None:
         avail = "unknown" if r.available_memory is None else f"{r.available_memory / 2**30:.2f} GiB"
         out.print(f"peak memory ≈ {r.memory.total / 2**30:.2f} GiB (blocks of {r.memory.block:,} elements; "

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .._torch import torch
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, InputError, RLMergeError, raise_all
 from ..io.adapter import ADAPTER_CONFIG, AdapterFile, header_room
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import F32, DType
@@ -41,6 +41,7 @@ from ..io.partial import PartialDir
 from ..io.vocab import VOCAB_SUFFIXES
 from ..io.writer import SideFiles
 from ..stream.match import Job
+from .budget import FAST_BASELINE, TORCH_LOADED, MemoryEstimate
 
 PREFIX = "base_model.model."
 NON_LINEAR = ("save", "refuse")
@@ -336,9 +337,59 @@ class AdapterOptions:
 
     @classmethod
     def parse(cls, rank: Any = "full", non_linear: str = "save") -> AdapterOptions:
+        """Both options checked, both problems said at once."""
+        problems: list[RLMergeError] = []
+        ranks = None
+        try:
+            ranks = Ranks.parse(rank)
+        except RLMergeError as e:
+            problems.append(e)
         if non_linear not in NON_LINEAR:
-            raise ConfigError(f"--non-linear {non_linear!r}", hint="save (into modules_to_save) or refuse")
-        return cls(Ranks.parse(rank), non_linear)
+            problems.append(ConfigError(f"--non-linear {non_linear!r}", hint="save (into modules_to_save) or refuse"))
+        raise_all(problems)
+        assert ranks is not None
+        return cls(ranks, non_linear)
+
+
+def _lora_shapes(match: Any) -> list[tuple[int, int]]:
+    """(rows, columns) of every linear layer's weight the adapter factors."""
+    return [(j.shape[0], j.shape[1]) for j in match.merge_jobs if role(j) == "lora"]
+
+
+def _kept(ranks: Ranks, d: int) -> int:
+    """The most a matrix of full rank ``d`` keeps: ``R`` (at most ``d``); ``d`` for full or an energy share."""
+    return min(int(ranks.value), d) if ranks.kind == "rank" else d
+
+
+def adapter_write_bytes(match: Any, ranks: Ranks, out_dtypes: Mapping[str, DType]) -> int:
+    """At most the tensor bytes the adapter holds, from headers (``rlmerge plan``): each linear layer's factors in
+    float32, ``A`` (k × n) and ``B`` (m × k), k its kept rank (exact for ``--rank R`` where every matrix changed;
+    an energy share keeps at most the full rank), and every other merged tensor whole in its output dtype (only
+    those the merge changes are saved), a tied embedding twice (also as lm_head, ``AdapterWriter.complete``)."""
+    lora = sum(4 * (m + n) * _kept(ranks, min(m, n)) for m, n in _lora_shapes(match))
+    saved = sum(j.numel * out_dtypes[j.name].itemsize * (2 if j.name in match.tied else 1)
+                for j in match.merge_jobs if role(j) == "save")
+    return lora + saved
+
+
+def adapter_memory(match: Any, ranks: Ranks) -> int:
+    """Bytes the adapter writer adds to the merge's peak (``_factor_now``, one matrix of e = m·n elements at a
+    time): the gathered float32 values, the base's, their difference and its float64 copy (20·e); the Gram matrix
+    and its eigenvectors in float64 (16·d², d = min(m, n)); the factor B = ΔV_k in float64 and float32 (12·k·max(m,
+    n)). With torch's own share where the merge's path does not load it (``with_adapter``): for the 0.5B shape
+    (largest matrix 4,864 × 896) + 0.28 GiB at rank 16 and + 0.33 GiB at full rank, where docs/shipping.md measured
+    the merge's peak + 0.27 and + 0.32 GiB."""
+    return max((20 * m * n + 16 * min(m, n) ** 2 + 12 * _kept(ranks, min(m, n)) * max(m, n)
+                for m, n in _lora_shapes(match)), default=0)
+
+
+def with_adapter(memory: MemoryEstimate, match: Any, ranks: Ranks) -> MemoryEstimate:
+    """The merge's estimate (``route``) with the adapter writer's share on top: its matrices (``adapter_memory``)
+    and torch, which the factorization needs, where the merge's path runs without it (the numba path over
+    inputs viewed in place)."""
+    torch_too = TORCH_LOADED if memory.baseline == FAST_BASELINE else 0
+    return dataclasses.replace(memory, work=memory.work + adapter_memory(match, ranks),
+                               baseline=memory.baseline + torch_too)
 
 
 def widen_to_f32(match: Any) -> tuple[dict[str, DType], list[Any]]:

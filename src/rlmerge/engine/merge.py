@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import ConfigError, InputError, RLMergeError, raise_all
+from ..errors import InputError, RLMergeError, raise_all
 from ..io.checkpoint import SIDE_FILES, Checkpoint
-from ..io.hub import push, push_problems
+from ..io.hub import push
 from ..io.partial import PartialDir, fingerprint, input_identity
 from ..io.tokenizer import GENERATION, TEMPLATE_FILES, TOKENIZER_FILES
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
@@ -95,19 +95,10 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
                    block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
                    count_tied_twice=count_tied_twice, seed=seed, tokenizer_source=tokenizer_source,
-                   chat_template=chat_template, output_format=output_format)
-    adapter = None
+                   chat_template=chat_template, output_format=output_format, rank=rank, non_linear=non_linear,
+                   push_to_hub=push_to_hub, revision=revision)
+    adapter = pf.adapter
     try:
-        if output_format == "peft":
-            try:
-                adapter = AdapterOptions.parse(rank, non_linear)
-            except RLMergeError as e:
-                pf.problems.append(e)
-            if resume:
-                pf.problems.append(ConfigError("--resume continues a sharded model; an adapter is written in one "
-                                               "go", hint="run again without --resume (or with --force)"))
-        if push_to_hub is not None:
-            pf.problems += push_problems(push_to_hub, revision=revision)
         raise_all(pf.problems)
         assert pf.match is not None and pf.spec is not None  # no problems: every stage ran
         check_copies(pf.match)  # reads the copied tensors only, before anything is written

@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import ConfigError, InputError, ProblemsError, RLMergeError, raise_all
 from ..io.checkpoint import Checkpoint
 from ..io.dtypes import BF16, F16, F32, DType, by_name
+from ..io.hub import push_problems
 from ..io.open import open_one
 from ..io.partial import output_problems
 from ..io.tokenizer_plan import TokenizerPlan, plan_tokenizer
@@ -30,7 +31,7 @@ from ..stream.blocks import DEFAULT_BLOCK, device_type
 from ..stream.fast import compute_threads
 from ..stream.match import BASE_ITSELF, Match, match_models
 from . import budget
-from .adapter import widen_to_f32
+from .adapter import AdapterOptions, widen_to_f32, with_adapter
 from .budget import MemoryEstimate, check_memory, estimate_memory
 from .route import Route, route
 
@@ -91,6 +92,7 @@ class Preflight:
     route: Route | None = None
     tokenizer: TokenizerPlan | None = None  # the output's tokenizer, template and vocabulary rows
     out_dtypes: dict[str, DType] | None = None  # --output-format peft: what each tensor would be written in
+    adapter: AdapterOptions | None = None  # --output-format peft: its rank and what it does with other tensors
     memory: MemoryEstimate | None = None
     available: int | None = None
     problems: list[RLMergeError] = field(default_factory=list)
@@ -110,12 +112,15 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
               block_size: Any = 1 << 22, device: str = "cpu", force: bool = False, resume: bool = False,
               allow_missing: bool = False, count_tied_twice: bool = False, seed: Any = 0,
               available: int | None = None, tokenizer_source: str | None = None,
-              chat_template: str | None = None, output_format: str = "hf") -> Preflight:
+              chat_template: str | None = None, output_format: str = "hf", rank: Any = "full",
+              non_linear: str = "save", push_to_hub: str | None = None, revision: str | None = None) -> Preflight:
     """Check a merge from headers only; every problem is collected in ``Preflight.problems``.
 
     ``tokenizer_source`` / ``chat_template``: the output's tokenizer and chat template (io/tokenizer_plan.py); when
     the vocabulary rows move, the models are matched through ``io.vocab.VocabView``s of them. ``output_format``
-    ``peft``: the merged tensors are computed into float32 for the adapter writer (engine/adapter.py)."""
+    ``peft``: the merged tensors are computed into float32 for the adapter writer (engine/adapter.py), whose
+    ``rank`` and ``non_linear`` are checked here (``Preflight.adapter``) and whose memory is budgeted with the
+    merge's. ``push_to_hub``: what would stop the upload is found now (io/hub.py), before any weight is read."""
     pf = Preflight()
     problems = pf.problems
     for fn in (lambda: _method(pf, method, params), lambda: setattr(pf, "out_dtype", parse_dtype(dtype)),
@@ -129,6 +134,16 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
     extra_specs = list(pf.spec.extra_inputs(pf.params) or ()) if pf.params is not None else []
     if len(extra_specs) != len(agents):  # one per agent: ``validate`` below reports the mismatch
         extra_specs = []
+    if output_format == "peft":
+        try:
+            pf.adapter = AdapterOptions.parse(rank, non_linear)
+        except RLMergeError as e:
+            problems += flat(e)
+        if resume:
+            problems.append(ConfigError("--resume continues a sharded model; an adapter is written in one go",
+                                        hint="run again without --resume (or with --force)"))
+    if push_to_hub is not None:
+        problems += push_problems(push_to_hub, revision=revision)
     opened = _open([base, *agents, *extra_specs], problems)
     pf.base, pf.agents, pf.extras = opened[0], opened[1:1 + len(agents)], opened[1 + len(agents):]
     problems += _same_folder_twice(pf.agents)
@@ -187,12 +202,18 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
             problems += flat(e)
     pf.memory = pf.route.memory if pf.route is not None else estimate_memory(
         pf.base, [*here, *(x for x in pf.extras if x)], block, n_agents=n_mem)
+    adapter = pf.adapter
+    if adapter is not None and pf.match is not None:  # the adapter writer's matrices beside the merge's blocks
+        pf.memory = with_adapter(pf.memory, pf.match, adapter.ranks)
     pf.available = budget.available_memory() if available is None else available
+
+    def fits(b: int) -> int:  # the estimate with blocks of b elements
+        est = route(pf.match, pf.spec, pf.params, device=device, block_size=b,  # type: ignore[arg-type]
+                    extras=[x for x in pf.extras if x], agents=len(agents), at=pf.at).memory
+        return (with_adapter(est, pf.match, adapter.ranks) if adapter is not None else est).total
+
     try:
-        check_memory(pf.memory, len(agents), pf.available,
-                     fits=None if pf.route is None else lambda b: route(  # type: ignore[arg-type]
-                         pf.match, pf.spec, pf.params, device=device, block_size=b,
-                         extras=[x for x in pf.extras if x], agents=len(agents), at=pf.at).memory.total)
+        check_memory(pf.memory, len(agents), pf.available, fits=None if pf.route is None else fits)
     except RLMergeError as e:
         problems.append(e)
     return pf
