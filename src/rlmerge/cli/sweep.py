@@ -35,6 +35,10 @@ def sweep_command(
     confirm: Annotated[str | None, typer.Option(help="score the kept candidates (--keep K, else the best 3) again "
                                                      "on this held-out split (test), beside their search score")]
     = None,
+    references: Annotated[bool, typer.Option(
+        "--references", help="score the base and each agent as they are, on the same tasks and examples, before the "
+                             "candidates (one scoring per input; never ranked or kept): report.md then says what "
+                             "the best input scored on each task and how much of it each candidate keeps")] = False,
     recipe: Annotated[Path | None, typer.Option(help="YAML: base_model, models, candidates, and any option")] = None,
     tasks: Annotated[list[str] | None, typer.Option(
         help="scorers, comma-separated, repeatable: lab:FAMILY, lm-eval:TASK, bfcl:CATEGORY (simple, multiple, "
@@ -84,7 +88,7 @@ def sweep_command(
 
         allow_unisolated()
     flags = {"tasks": tasks, "limit": limit, "split": split, "lab_view": lab_view,
-             "keep": keep, "search": search, "trials": trials, "confirm": confirm,
+             "keep": keep, "search": search, "trials": trials, "confirm": confirm, "references": references or None,
              "backend": backend, "workers": workers, "memory": memory, "dtype": dtype, "block_size": block_size,
              "device": device, "seed": seed, "allow_missing": allow_missing or None,
              "count_tied_twice": count_tied_twice or None, "num_fewshot": num_fewshot, "batch_size": batch_size,
@@ -120,7 +124,8 @@ def sweep_command(
                     settings=scorer.settings() if scorer is not None else {},
                     on_result=table.add, quiet=quiet or json_out, search=s.get("search", "grid"),
                     trials=s.get("trials"), confirm=held_out, push_to_hub=push_to_hub, private=private,
-                    revision=revision, **({"block_size": s["block_size"]} if s.get("block_size") else {}))
+                    revision=revision, references=s.get("references", False),
+                    **({"block_size": s["block_size"]} if s.get("block_size") else {}))
     _warn_failures(res)
     if json_out:
         out.print_json(json.dumps(_summary(res)))
@@ -198,6 +203,8 @@ def _summary(res: SweepResult) -> dict[str, Any]:
             "indistinguishable": [s.candidate.id for s in res.indistinguishable],
             "confirmed": {cid: {"scores": c.scores, "average": c.average, **({"error": c.error} if c.error else {})}
                           for cid, c in res.confirmed.items()},
+            "references": [{"id": r.candidate.id, "name": r.candidate.label, "scores": r.scores, "average": r.average,
+                            **({"error": r.error} if r.error else {})} for r in res.references],
             "statistics_passes": res.statistics_passes, "merge_passes": res.merge_passes, "url": res.url,
             "seconds": round(res.seconds, 3)}
 
@@ -225,6 +232,10 @@ def _print_summary(res: SweepResult) -> None:
 
 def _warn_failures(res: SweepResult) -> None:
     """Candidates the scorer failed on (the sweep went on): how many, and each one's message."""
+    for r in res.references:
+        if r.error is not None:
+            err.print(f"[yellow]warning:[/] the scorer failed on input {escape(r.candidate.label)} (--references; "
+                      f"recorded in results.json and report.md): {escape(r.error)}")
     if res.failed:
         err.print(f"[yellow]warning:[/] the scorer failed on {len(res.failed)} of {len(res.scored)} candidate(s); "
                   "they are ranked last and never kept (recorded in results.json and report.md):")

@@ -63,6 +63,74 @@ def _noise_section(doc: dict[str, Any], by_id: dict[str, Any]) -> list[str]:
     return lines
 
 
+def kept_share(score: float | None, best_input: float | None) -> float | None:
+    """How much of the best input's score on a task a candidate keeps, in %: 100 · candidate / best input.
+
+    A ratio, not a difference in points, because it is what "one model that keeps every agent's skill" promises and
+    it reads the same on tasks of different scales (a 0-100 accuracy, a command's 0-1 score): 95 % kept is 95 % of the
+    specialist's skill on any task. The difference in points, with its interval, is beside it in the comparison with
+    the best input. None where either score is unknown, or where the best input's score is ≤ 0 (a share of nothing
+    or of a negative score says nothing)."""
+    if score is None or best_input is None or best_input <= 0:
+        return None
+    return 100.0 * score / best_input
+
+
+def _share(v: float | None) -> str:
+    return "—" if v is None else f"{v:.1f} %"
+
+
+def _references_section(doc: dict[str, Any], by_id: dict[str, Any]) -> list[str]:
+    """The inputs scored as they are (``--references``): per task the base, each agent, the best candidate and the
+    share of the best input's score it keeps, its difference from the best input (paired where possible); then
+    every candidate's share on each task."""
+    refs, versus = doc.get("references") or [], doc.get("versus_inputs") or {}
+    if not refs:
+        return []
+    names = {r["id"]: r["name"] for r in refs}
+    tasks = list(versus.get("tasks") or {})
+    best = by_id.get(versus.get("candidate") or "")
+    lines = ["", "## Against the inputs", "",
+             "The base and each agent scored as they are, by the same scorers on the same examples as the candidates "
+             "(not ranked, never kept). *Kept* is the candidate's score as a share of the best input's on that task "
+             "(100 · candidate / best input); *best − input* is the best candidate's difference from that input in "
+             "points, with its 95 % interval (paired bootstrap where both have per-example results on the same "
+             "examples, else normal; noise as above).", "",
+             "| task | " + " | ".join(f"`{r['name']}`" for r in refs) + " | best input | best candidate | kept | "
+             "best − input | 95 % interval | verdict |",
+             "|---|" + "---:|" * len(refs) + "---|---:|---:|---:|---:|---|"]
+    for t in tasks:
+        v = versus["tasks"][t]
+        cells = ["failed" if r.get("error") is not None else _fmt(r["scores"].get(t)) for r in refs]
+        diff = [f"{v['difference']:+.2f}", f"[{v['low']:+.2f}, {v['high']:+.2f}]", v["verdict"]] \
+            if "verdict" in v else ["—", "—", "unknown noise" if "candidate_score" in v else "—"]
+        lines.append(f"| {t} | " + " | ".join(cells) + f" | `{names[v['input']]}` | {_fmt(v.get('candidate_score'))}"
+                     f" | {_share(kept_share(v.get('candidate_score'), v['input_score']))} | " + " | ".join(diff)
+                     + " |")
+    lines.append("| average | " + " | ".join("failed" if r.get("error") is not None else _fmt(r["average"])
+                                              for r in refs)
+                 + f" | | {_fmt(best['average']) if best else '—'} | | | | |")
+    if best is not None:
+        lines += ["", f"Best candidate: `{best['label']}`."]
+    failed = [r for r in refs if r.get("error") is not None]
+    if failed:
+        lines += ["", "The scorer failed on these inputs (recorded; `--resume` scores them again):", ""]
+        lines += [f"- `{r['name']}`: " + " ".join(str(r["error"]).split()) for r in failed]
+    ranked = [by_id[cid] for cid in doc.get("ranking", []) if by_id[cid].get("average") is not None]
+    if ranked and tasks:
+        top = {t: versus["tasks"][t]["input_score"] for t in tasks}
+        lines += ["", "Each candidate's share of the best input's score (best average first; *least* is its lowest "
+                  "share: the skill it keeps worst):", "",
+                  "| candidate | " + " | ".join(f"{t} kept" for t in tasks) + " | least |",
+                  "|---|" + "---:|" * (len(tasks) + 1)]
+        for c in ranked:
+            shares = [kept_share(c["scores"].get(t), top[t]) for t in tasks]
+            known = [x for x in shares if x is not None]
+            lines.append(f"| `{c['label']}` | " + " | ".join(_share(x) for x in shares)
+                         + f" | {_share(min(known)) if len(known) == len(shares) else '—'} |")
+    return lines
+
+
 def _confirmed_section(doc: dict[str, Any], by_id: dict[str, Any]) -> list[str]:
     """The best candidates scored again on the held-out split: search score, confirmed score, the gap."""
     rows = doc.get("confirmed")
@@ -77,6 +145,13 @@ def _confirmed_section(doc: dict[str, Any], by_id: dict[str, Any]) -> list[str]:
         confirmed = "failed: " + " ".join(str(r["error"]).split()) if r.get("error") else _fmt(r["average"])
         lines.append(f"| `{by_id[r['id']]['label']}` | {_fmt(r['search_average'])} | {confirmed} | "
                      f"{_interval(r.get('interval'))} | {_fmt(r.get('gap'))} |")
+    for ref in doc.get("references") or []:  # the inputs as they are (--references), on the held-out split too
+        c = ref.get("confirmed")
+        if c is not None:
+            confirmed = "failed: " + " ".join(str(c["error"]).split()) if c.get("error") else _fmt(c["average"])
+            gap = None if c["average"] is None or ref["average"] is None else ref["average"] - c["average"]
+            lines.append(f"| `{ref['name']}` (input) | {_fmt(ref['average'])} | {confirmed} | "
+                         f"{_interval(c.get('interval'))} | {_fmt(gap)} |")
     return lines
 
 
@@ -127,6 +202,7 @@ def to_markdown(doc: dict[str, Any], *, plot: bool) -> str:
     lines += ["", "The 95 % interval is the average ± 1.96 standard errors (each task's standard error, tasks taken "
               "as independent); — where a task's is unknown."]
     lines += _noise_section(doc, by_id)
+    lines += _references_section(doc, by_id)
     lines += _confirmed_section(doc, by_id)
     lines += _search_section(doc)
     lines += ["", "## Pareto set", "",

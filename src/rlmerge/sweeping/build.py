@@ -36,12 +36,12 @@ HEADROOM = 0.8  # of the memory available: what an in-memory candidate (model, s
 class Built:
     """A merged candidate, as a scorer gets it: a folder on disk (``path``), or tensors in memory."""
 
-    candidate: Candidate
-    path: Path | None  # a checkpoint folder (a candidate too large for memory), else None
+    candidate: Candidate | Reference  # a Reference: an input scored as it is (``path`` is its folder)
+    path: Path | None  # a checkpoint folder (a candidate too large for memory, or a reference), else None
     tensors: dict[str, Any] | None  # name → torch tensor in the output dtype (in memory), else None
     config: dict[str, Any]  # the merged checkpoint's config.json
     side_dir: Path  # where the tokenizer and other side files are (the base's, or ``path``)
-    result: MergeResult
+    result: MergeResult | None  # None for a reference (nothing was merged)
     files: dict[str, bytes] | None = None  # in memory: the side files the folder would hold (config, tokenizer, …)
 
 
@@ -52,9 +52,9 @@ Scorer = Callable[[Built], Mapping[str, float | TaskScore | Mapping[str, Any]]]
 class Scored:
     """One candidate's outcome."""
 
-    candidate: Candidate
+    candidate: Candidate | Reference
     scores: dict[str, float]
-    where: str  # "memory" or "disk": where it was built
+    where: str  # "memory" or "disk": where it was built; "input" for a reference
     merge_seconds: float
     score_seconds: float
     passes: list[str]  # what its merge ran ("merge" alone when the cache held its statistics)
@@ -74,6 +74,47 @@ class Scored:
                 "merge_seconds": round(self.merge_seconds, 3), "score_seconds": round(self.score_seconds, 3),
                 "passes": self.passes, "read_bytes": self.read_bytes, "lambdas": self.lambdas,
                 **({"error": self.error} if self.error is not None else {})}
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An input scored as it is, beside the candidates (``references=True``): the base or an agent. The scorers get
+    it as a candidate built on disk whose folder is the input's own (``Built.path``); it is never ranked, kept or
+    pushed. ``id`` (``base``, ``agent1`` …) is what a command sees as ``RLMERGE_CANDIDATE`` and what results.json
+    matches on ``--resume`` (with ``name``)."""
+
+    role: Literal["base", "agent"]
+    name: str  # "base", or the agent as results.json's ``agents`` names it (its label: the path given)
+    path: Path  # the input's folder (a hub id resolved)
+    index: int = 0  # the agent's position, from 1 (0: the base)
+
+    @property
+    def id(self) -> str:
+        return "base" if self.role == "base" else f"agent{self.index}"
+
+    @property
+    def label(self) -> str:
+        return "base" if self.role == "base" else self.name
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "role": self.role, "path": str(self.path)}
+
+
+def score_reference(ref: Reference, scorer: Scorer) -> Scored:
+    """Score input ``ref`` as it is, through the path of a candidate built on disk; a scorer failure is its outcome
+    (``Scored.error``), as a candidate's."""
+    config_file = ref.path / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    built = Built(ref, ref.path, None, config, ref.path, None)
+    t0 = time.perf_counter()
+    details: dict[str, TaskScore] = {}
+    error = None
+    try:
+        details = _scores(ref, scorer(built))
+    except Exception as e:  # as build_and_score: the failure is recorded, the sweep goes on
+        error = failure(e)
+    return Scored(ref, {k: v.score for k, v in details.items()}, "input", 0.0, time.perf_counter() - t0, [], 0, None,
+                  details, error)
 
 
 @dataclass
@@ -114,6 +155,7 @@ def build_and_score(ctx: Context, c: Candidate, scorer: Scorer | None, cache: St
         error = failure(e)
     finally:
         res = built.result
+        assert res is not None  # a candidate's build merged
         del built  # the state dict goes before the next candidate is built
         if scratch is not None:
             _remove_scratch(ctx, scratch)
@@ -194,7 +236,7 @@ def _remove_scratch(ctx: Context, out: Path) -> None:
         shutil.rmtree(out.parent, ignore_errors=True)
 
 
-def _scores(c: Candidate, scores: Mapping[str, Any]) -> dict[str, TaskScore]:
+def _scores(c: Candidate | Reference, scores: Mapping[str, Any]) -> dict[str, TaskScore]:
     """The scorer's values, checked (scores.make: a ScorerError says what is wrong)."""
     return {str(k): make(v, task=str(k), where=f"the scorer on candidate {c.label!r}")
             for k, v in dict(scores).items()}

@@ -223,6 +223,7 @@ class SweepSettings:
     search: Literal["grid", "random", "tpe", "cmaes"] | None = None
     trials: int | None = None
     confirm: Literal["val", "test"] | None = None
+    references: bool | None = None  # score the base and each agent as they are, beside the candidates
 
     def __post_init__(self) -> None:
         least = {"limit": 1, "keep": 0, "workers": 1, "block_size": 1, "num_fewshot": 0, "batch_size": 1,

@@ -14,7 +14,7 @@ from ..engine.preflight import Preflight
 from ..errors import OutputError, RLMergeError
 from ..io.sweepdir import SweepDir
 from ..stream.blocks import device_type
-from .build import Scored
+from .build import Reference, Scored
 from .cache import inputs_key
 from .candidates import Candidate
 from .scores import details_from_json, make
@@ -62,14 +62,43 @@ def resumed(folder: SweepDir, doc: dict[str, Any], lookup: Callable[[dict[str, A
         if c is None or (rec.get("error") is not None and not keep_failed):
             continue
         try:
-            details = {k: make(v, task=k, where=RESULTS)
-                       for k, v in details_from_json(dict(rec["scores"]), rec.get("details"), examples).items()}
-            out[c.id] = Scored(c, {k: v.score for k, v in details.items()}, str(rec["where"]),
-                               float(rec["merge_seconds"]), float(rec["score_seconds"]),
-                               [str(p) for p in rec["passes"]], int(rec["read_bytes"]), rec.get("lambdas"), details,
-                               None if rec.get("error") is None else str(rec["error"]))
+            out[c.id] = _scored(rec, c, examples)
         except (AttributeError, KeyError, TypeError, ValueError, RLMergeError):
             continue  # a record this rlmerge cannot read back (an older one's, or edited): the candidate is redone
+    return out
+
+
+def _scored(rec: dict[str, Any], c: Candidate | Reference, examples: Mapping[str, list[str]]) -> Scored:
+    """A results.json record (a candidate's or a reference's) read back; raises on one it cannot read."""
+    details = {k: make(v, task=k, where=RESULTS)
+               for k, v in details_from_json(dict(rec["scores"]), rec.get("details"), examples).items()}
+    return Scored(c, {k: v.score for k, v in details.items()}, str(rec["where"]), float(rec["merge_seconds"]),
+                  float(rec["score_seconds"]), [str(p) for p in rec["passes"]], int(rec["read_bytes"]),
+                  rec.get("lambdas"), details, None if rec.get("error") is None else str(rec["error"]))
+
+
+def read_references(folder: SweepDir, doc: dict[str, Any], refs: list[Reference],
+                    confirm: dict[str, Any] | None = None) -> tuple[dict[str, Scored], dict[str, Scored]]:
+    """The references (inputs scored as they are) an earlier run of this sweep recorded (results.json's
+    ``references``), by id: only those of the same input at the same place, a failed one is scored again; and
+    their held-out scores, when ``confirm`` (the confirming scorer's settings) is what that run confirmed with.
+    Read before this run writes its own results.json."""
+    old = old_doc(folder)
+    if not isinstance(old, dict) or old.get("fingerprint") != doc["fingerprint"]:
+        return {}, {}
+    same_confirm = confirm is not None and (old.get("confirm") or {}).get("settings") == confirm
+    mine = {r.id: r for r in refs}
+    out: tuple[dict[str, Scored], dict[str, Scored]] = {}, {}
+    for rec in old.get("references") or []:
+        try:
+            ref = mine.get(rec["id"])
+            if ref is None or ref.to_json() != {k: rec[k] for k in ref.to_json()}:
+                continue
+            for i, r in enumerate([rec, rec.get("confirmed") if same_confirm else None]):
+                if r is not None and r.get("error") is None:
+                    out[i][ref.id] = _scored(r, ref, old.get("examples") or {})
+        except (AttributeError, KeyError, TypeError, ValueError, RLMergeError):
+            continue
     return out
 
 

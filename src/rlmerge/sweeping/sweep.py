@@ -38,11 +38,11 @@ from ..io.hub import push, push_problems
 from ..io.sweepdir import SweepDir
 from ..report.sweep import pareto, render_report
 from ..stream.blocks import DEFAULT_BLOCK
-from .build import Built, Context, Memory, Scored, Scorer, build_and_score
+from .build import Built, Context, Memory, Reference, Scored, Scorer, build_and_score, score_reference
 from .cache import StatsCache
 from .candidates import Candidate, check, parse_all
 from .noise import DRAWS, average_interval, compare
-from .results import RESULTS, dump, from_record, new_doc, read_confirmed, resumed
+from .results import RESULTS, dump, from_record, new_doc, read_confirmed, read_references, resumed
 from .scores import TaskScore, details_json
 from .space import Space, parse_spaces
 
@@ -64,6 +64,8 @@ class SweepResult:
     indistinguishable: list[Scored] = field(default_factory=list)
     confirmed: dict[str, Scored] = field(default_factory=dict)  # candidate id → its scores on the held-out split
     url: str | None = None  # where --push-to-hub put the best candidate
+    references: list[Scored] = field(default_factory=list)  # the inputs scored as they are (base, agents), in order
+    references_confirmed: dict[str, Scored] = field(default_factory=dict)  # reference id → held-out scores
 
     @property
     def failed(self) -> list[Scored]:
@@ -87,7 +89,8 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           count_tied_twice: bool = False, settings: Mapping[str, Any] | None = None, cache: StatsCache | None = None,
           on_result: Callable[[Scored], None] | None = None, quiet: bool = True, search: Search = "grid",
           trials: int | None = None, confirm: Scorer | None = None, confirm_top: int | None = None,
-          push_to_hub: str | None = None, private: bool = False, revision: str | None = None) -> SweepResult:
+          push_to_hub: str | None = None, private: bool = False, revision: str | None = None,
+          references: bool = False) -> SweepResult:
     """Merge and score every candidate; see the module docstring.
 
     ``output`` None: nothing is written (the Python API's grid search; a candidate too large for memory goes to a
@@ -96,6 +99,9 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     ``search``: ``grid`` (every candidate of the grids), or ``random``, ``tpe``, ``cmaes``: ``trials`` candidates
     sampled from the spaces ``candidates`` describe (space.py, search.py). ``confirm``: a scorer on a held-out split
     that scores the best ``confirm_top`` (default: ``keep``, else 3) again (``SweepResult.confirmed``).
+    ``references``: score the base and each agent as they are, by the same scorer on the same examples, before the
+    candidates (``SweepResult.references``; results.json's ``references`` and ``versus_inputs``); never ranked,
+    kept or pushed, and not a search's trials.
     """
     t0 = time.perf_counter()
     problems: list[RLMergeError] = []
@@ -113,6 +119,9 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     if spaces is not None and scorer is None:
         problems.append(ConfigError(f"--search {search}: a search is steered by scores, and nothing scores the "
                                     "candidates", hint="give --tasks (or scorer=)"))
+    if references and scorer is None:
+        problems.append(ConfigError("--references scores the inputs beside the candidates, and nothing scores them",
+                                    hint="give --tasks (or scorer=)"))
     if confirm_top is not None and (type(confirm_top) is not int or confirm_top < 1):
         problems.append(ConfigError(f"confirm_top = {confirm_top!r} must be a whole number ≥ 1"))
     options = {"dtype": dtype, "block_size": block_size, "device": device, "allow_missing": allow_missing,
@@ -123,6 +132,7 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
     try:
         assert pf.match is not None and pf.base is not None  # no problems
         check_copies(pf.match)  # once for every candidate: they all copy the same tensors
+        refs = _references(pf) if references else []  # refused here: before anything is merged or written
         if backend == "ray":
             from ..engine.distributed import init  # Ray is imported only here (the ``ray`` extra)
 
@@ -139,6 +149,15 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
                 planned = {c.id: c for c in cands}
                 run.scored.update(resumed(folder, doc, (lambda r: planned.get(r.get("id"))) if spaces is None
                                           else from_record, keep_failed=spaces is not None))
+            confirm_settings = None
+            if confirm is not None:
+                settings_of = getattr(confirm, "settings", None)
+                confirm_settings = settings_of() if callable(settings_of) else {}
+            earlier_refs: tuple[dict[str, Scored], dict[str, Scored]] = read_references(
+                folder, doc, refs, confirm_settings) if refs and resume and folder is not None else ({}, {})
+            if refs:
+                assert scorer is not None  # checked above
+                _score_references(run, refs, scorer, earlier_refs[0])
             if spaces is None:
                 run.order = list(cands)
                 run.evaluate([c for c in cands if c.id not in run.scored], scorer)
@@ -148,12 +167,16 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
             doc["candidates"] = [s.to_json(doc["examples"]) for s in ordered]  # also when --resume found all done
             result = _summary(ordered, doc, output=folder.path if folder is not None else None)
             _noise(result, doc, seed=seed)
+            if refs:
+                result.references = [run.references[r.id] for r in refs]
+                doc["versus_inputs"] = versus_inputs(result.ranking[0] if result.ranking else None,
+                                                     result.references, seed=seed)
             if confirm is not None:
-                settings_of = getattr(confirm, "settings", None)
-                doc["confirm"] = {"top": confirm_top or keep or CONFIRM_TOP,
-                                  "settings": settings_of() if callable(settings_of) else {}}
+                doc["confirm"] = {"top": confirm_top or keep or CONFIRM_TOP, "settings": confirm_settings}
                 result.confirmed = _confirm(run, result, confirm, doc["confirm"]["top"],
                                             read_confirmed(folder, doc) if resume and folder is not None else {})
+                if refs:
+                    result.references_confirmed = _confirm_references(run, refs, confirm, earlier_refs[1])
             if folder is not None:
                 result.kept = _keep(folder, ctx, result, doc, cache, keep, quiet=quiet)
                 if push_to_hub is not None and result.kept:  # written and proven: now upload the best
@@ -174,6 +197,78 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
 
 
 CONFIRM_TOP = 3  # candidates --confirm scores again when nothing is kept
+
+
+def _references(pf: Preflight) -> list[Reference]:
+    """The inputs as references: the base, then each agent (as results.json's ``agents`` names them). An input a
+    scorer cannot load as it is (a LoRA adapter, a verl actor folder: not a model folder) is refused, all at once."""
+    from ..io.lora import LoraAdapter
+    from ..io.verl import VerlCheckpoint
+
+    assert pf.base is not None and pf.match is not None
+    inputs = [Reference("base", "base", pf.base.path), *(Reference("agent", a.label, a.path, i)
+                                                        for i, a in enumerate(pf.match.agents, 1))]
+    how = {LoraAdapter: ("a LoRA adapter", "merge the adapter into its base with PEFT (merge_and_unload(), then "
+                                           "save_pretrained) and give that folder as the agent"),
+           VerlCheckpoint: ("a verl actor folder", "convert it with verl's model_merger (python -m verl.model_merger "
+                                                   "merge --backend fsdp --local_dir ACTOR --target_dir OUT) and give "
+                                                   "OUT as the agent")}
+    problems: list[RLMergeError] = [
+        ConfigError(f"--references scores each input as it is, and {ckpt.label} is {what}, not a model a scorer can "
+                    "load", file=str(ckpt.path), hint=f"{hint}, or leave --references out")
+        for ckpt in [pf.base, *pf.match.agents] for kind, (what, hint) in how.items() if isinstance(ckpt, kind)]
+    raise_all(problems)
+    return inputs
+
+
+def _score_references(run: _Run, refs: list[Reference], scorer: Scorer, earlier: dict[str, Scored]) -> None:
+    """Score each input as it is, here (on the driver, also with the Ray backend), unless an earlier run recorded
+    it; results.json's ``references`` after each one."""
+    run.references.update(earlier)
+    _record_references(run, refs)  # not saved yet: the earlier run's results.json is read again (read_confirmed)
+    for ref in refs:
+        if ref.id not in run.references:
+            run.references[ref.id] = score_reference(ref, scorer)
+            _record_references(run, refs)
+            run.save()
+
+
+def _record_references(run: _Run, refs: list[Reference]) -> None:
+    run.doc["references"] = [{**run.references[r.id].to_json(run.doc["examples"]),
+                              "interval": average_interval(run.references[r.id].details)}
+                             for r in refs if r.id in run.references]
+
+
+def _confirm_references(run: _Run, refs: list[Reference], scorer: Scorer,
+                        earlier: dict[str, Scored]) -> dict[str, Scored]:
+    """Each input scored again by the confirming scorer (the held-out split), an earlier run's kept: each record's
+    ``confirmed`` in results.json's ``references``."""
+    out = {r.id: earlier[r.id] if r.id in earlier else score_reference(r, scorer) for r in refs}
+    for rec in run.doc.get("references") or []:
+        c = out[rec["id"]]
+        rec["confirmed"] = {**c.to_json(run.doc["examples"]), "interval": average_interval(c.details)}
+    return out
+
+
+def versus_inputs(best: Scored | None, refs: Sequence[Scored], *, seed: int) -> dict[str, Any]:
+    """results.json's ``versus_inputs``: per task, the best input on it (the highest score of the references; of
+    equal ones the first, the base before the agents) and the best candidate against it (``candidate``), with the
+    difference candidate − input and its 95 % interval (noise.compare on that task alone: the paired bootstrap where
+    both have per-example results on the same examples, else normal, else nothing) and its ``verdict``: ``above``
+    (the interval is above 0), ``below``, or ``indistinguishable`` (it contains 0)."""
+    out: dict[str, Any] = {"candidate": best.candidate.id if best is not None and best.scores else None, "tasks": {}}
+    for task in dict.fromkeys(k for r in refs for k in r.scores):
+        top = max((r for r in refs if task in r.scores), key=lambda r: _tie(r.scores[task]))
+        rec: dict[str, Any] = {"input": top.candidate.id, "input_score": top.scores[task]}
+        if best is not None and task in best.scores:
+            rec["candidate_score"] = best.scores[task]
+            v = compare({task: best.details[task]}, [{task: top.details[task]}], seed=seed)[0]
+            if v is not None:
+                rec.update({k: v[k] for k in ("difference", "low", "high", "how")})
+                rec["verdict"] = "indistinguishable" if v["indistinguishable"] else "above" if v["low"] > 0 \
+                    else "below"
+        out["tasks"][task] = rec
+    return out
 
 
 def _plan(candidates: Sequence[Any], search: str, trials: Any, seed: int,
@@ -207,6 +302,7 @@ class _Run:
         self.ctx, self.cache, self.folder, self.doc = ctx, cache, folder, doc
         self.backend, self.workers, self.on_result = backend, workers, on_result
         self.scored: dict[str, Scored] = {}
+        self.references: dict[str, Scored] = {}  # reference id → the input scored as it is
         self.order: list[Candidate] = []
         self.study: Any = None
 
