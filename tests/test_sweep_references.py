@@ -99,11 +99,13 @@ def test_references_table_shares_and_paired_comparison_are_the_hand_computed_one
         assert v["verdict"] == ("indistinguishable" if lo <= 0 <= hi else "above" if lo > 0 else "below")
     report = (out / "report.md").read_text()
     t1, t2 = versus["tasks"]["t1"], versus["tasks"]["t2"]
-    assert ("| t1 | 25.00 | 75.00 | 25.00 | 0.00 | `" + str(agents[0]) + "` | 75.00 | 100.0 % | +0.00 | "
+    assert ("| t1 | 25.00 | 75.00 | 25.00 | 0.00 | `coder` | 75.00 | 100.0 % | +0.00 | "
             f"[{t1['low']:+.2f}, {t1['high']:+.2f}] | indistinguishable |") in report
-    assert ("| t2 | 0.00 | 25.00 | 50.00 | 25.00 | `" + str(agents[1]) + f"` | 25.00 | 50.0 % | -25.00 | "
+    assert (f"| t2 | 0.00 | 25.00 | 50.00 | 25.00 | `tool-use` | 25.00 | 50.0 % | -25.00 | "
             f"[{t2['low']:+.2f}, {t2['high']:+.2f}] | {t2['verdict']} |") in report
     assert "| average | 12.50 | 50.00 | 37.50 | 12.50 | | 50.00 | | | | |" in report
+    assert "| task | `base` | `coder` | `tool-use` | `memory` | best input |" in report
+    assert f"`coder` is `{agents[0]}`" in report
     # every candidate's share of the best input's score: 75/75, 25/50; 50/75, 25/50
     assert "| `task_arithmetic scaling=1` | 100.0 % | 50.0 % | 50.0 % |" in report
     assert "| `task_arithmetic scaling=0.5` | 66.7 % | 50.0 % | 50.0 % |" in report
@@ -126,8 +128,8 @@ def test_resume_reuses_recorded_references_and_a_failed_one_is_recorded_and_scor
     assert again.inputs == ["tool-use"] and again.candidates == ["task_arithmetic scaling=1"]
     assert res.references[2].error == "RuntimeError: cannot load tool-use" and not res.failed  # the sweep went on
     report = (out / "report.md").read_text()
-    assert "| t2 | 0.00 | 25.00 | failed | 25.00 | `" + str(agents[0]) + "` |" in report  # coder: first of the 25s
-    assert f"- `{agents[1]}`: RuntimeError: cannot load tool-use" in report
+    assert "| t2 | 0.00 | 25.00 | failed | 25.00 | `coder` |" in report  # coder: first of the 25s
+    assert "- `tool-use`: RuntimeError: cannot load tool-use" in report
     fixed = Known()
     rlmerge.sweep(base, agents, out, candidates=GRID, scorer=fixed, memory="always", references=True, resume=True)
     assert fixed.inputs == ["tool-use"] and fixed.candidates == []
@@ -217,9 +219,22 @@ def test_confirm_scores_the_references_on_the_held_out_split_once(example, tmp_p
     doc = _doc(out)
     assert doc["references"][1]["confirmed"]["average"] == 37.5
     # coder on the held-out split: t1 50 ± 25, t2 25 ± 21.65 (binomial); average 37.5 ± 1.96 · 16.54; gap 12.5
-    assert f"| `{agents[0]}` (input) | 50.00 | 37.50 | [5.09, 69.91] | 12.50 |" in (out / "report.md").read_text()
+    assert "| `coder` (input) | 50.00 | 37.50 | [5.09, 69.91] | 12.50 |" in (out / "report.md").read_text()
     again = HeldOut()
     rlmerge.sweep(base, agents, out, candidates=GRID, scorer=Known(), confirm=again, keep=1, memory="always",
                   references=True, resume=True)
     assert again.inputs == [] and again.candidates == []
     assert _doc(out)["references"] == doc["references"]
+
+
+def test_the_report_names_agents_by_folder_only_where_that_is_unambiguous() -> None:
+    from rlmerge.report.sweep import short_names
+
+    def refs(*agents: str) -> list[dict]:
+        return [{"id": "base", "name": "base", "role": "base"},
+                *({"id": f"agent{i}", "name": a, "role": "agent"} for i, a in enumerate(agents, 1))]
+
+    assert short_names(refs("runs/a/coder", "runs/b/memory/")) == {"base": "base", "agent1": "coder",
+                                                                  "agent2": "memory"}
+    for same in (refs("runs/a/coder", "runs/b/coder"), refs("x/base", "y/coder")):  # two coders; an agent "base"
+        assert short_names(same) == {r["id"]: r["name"] for r in same}

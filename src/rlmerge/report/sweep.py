@@ -80,6 +80,16 @@ def _share(v: float | None) -> str:
     return "—" if v is None else f"{v:.1f} %"
 
 
+def short_names(refs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """How the report's tables name the inputs, by reference id: ``base``, and each agent by its folder's name where
+    those are distinct (and none is ``base``), else by its name in full (results.json's ``agents``)."""
+    short = {r["id"]: str(r["name"]).rstrip("/").rsplit("/", 1)[-1] for r in refs if r["role"] == "agent"}
+    full = {r["id"]: str(r["name"]) for r in refs}
+    if len(set(short.values())) < len(short) or "base" in short.values():
+        return full
+    return {**full, **short}
+
+
 def _references_section(doc: dict[str, Any], by_id: dict[str, Any]) -> list[str]:
     """The inputs scored as they are (``--references``): per task the base, each agent, the best candidate and the
     share of the best input's score it keeps, its difference from the best input (paired where possible); then
@@ -87,7 +97,7 @@ def _references_section(doc: dict[str, Any], by_id: dict[str, Any]) -> list[str]
     refs, versus = doc.get("references") or [], doc.get("versus_inputs") or {}
     if not refs:
         return []
-    names = {r["id"]: r["name"] for r in refs}
+    names = short_names(refs)
     tasks = list(versus.get("tasks") or {})
     best = by_id.get(versus.get("candidate") or "")
     lines = ["", "## Against the inputs", "",
@@ -96,7 +106,9 @@ def _references_section(doc: dict[str, Any], by_id: dict[str, Any]) -> list[str]
              "(100 · candidate / best input); *best − input* is the best candidate's difference from that input in "
              "points, with its 95 % interval (paired bootstrap where both have per-example results on the same "
              "examples, else normal; noise as above).", "",
-             "| task | " + " | ".join(f"`{r['name']}`" for r in refs) + " | best input | best candidate | kept | "
+             *(["Agents: " + ", ".join(f"`{names[r['id']]}` is `{r['name']}`" for r in refs[1:]) + ".", ""]
+               if any(names[r["id"]] != r["name"] for r in refs) else []),
+             "| task | " + " | ".join(f"`{names[r['id']]}`" for r in refs) + " | best input | best candidate | kept | "
              "best − input | 95 % interval | verdict |",
              "|---|" + "---:|" * len(refs) + "---|---:|---:|---:|---:|---|"]
     for t in tasks:
@@ -115,7 +127,7 @@ def _references_section(doc: dict[str, Any], by_id: dict[str, Any]) -> list[str]
     failed = [r for r in refs if r.get("error") is not None]
     if failed:
         lines += ["", "The scorer failed on these inputs (recorded; `--resume` scores them again):", ""]
-        lines += [f"- `{r['name']}`: " + " ".join(str(r["error"]).split()) for r in failed]
+        lines += [f"- `{names[r['id']]}`: " + " ".join(str(r["error"]).split()) for r in failed]
     ranked = [by_id[cid] for cid in doc.get("ranking", []) if by_id[cid].get("average") is not None]
     if ranked and tasks:
         top = {t: versus["tasks"][t]["input_score"] for t in tasks}
@@ -145,12 +157,13 @@ def _confirmed_section(doc: dict[str, Any], by_id: dict[str, Any]) -> list[str]:
         confirmed = "failed: " + " ".join(str(r["error"]).split()) if r.get("error") else _fmt(r["average"])
         lines.append(f"| `{by_id[r['id']]['label']}` | {_fmt(r['search_average'])} | {confirmed} | "
                      f"{_interval(r.get('interval'))} | {_fmt(r.get('gap'))} |")
+    names = short_names(doc.get("references") or [])
     for ref in doc.get("references") or []:  # the inputs as they are (--references), on the held-out split too
         c = ref.get("confirmed")
         if c is not None:
             confirmed = "failed: " + " ".join(str(c["error"]).split()) if c.get("error") else _fmt(c["average"])
             gap = None if c["average"] is None or ref["average"] is None else ref["average"] - c["average"]
-            lines.append(f"| `{ref['name']}` (input) | {_fmt(ref['average'])} | {confirmed} | "
+            lines.append(f"| `{names[ref['id']]}` (input) | {_fmt(ref['average'])} | {confirmed} | "
                          f"{_interval(c.get('interval'))} | {_fmt(gap)} |")
     return lines
 
