@@ -280,3 +280,21 @@ def test_a_search_on_ray_asks_a_batch_per_worker_and_scores_each_trial_as_locall
     assert [s.scores for s in local.scored] == [s.scores for s in a.scored] == [s.scores for s in b.scored]
     res = rlmerge.sweep(base, agents, tmp_path / "a", scorer=Norms(agents[0]), resume=True, **{**kw, "trials": 7})
     assert len(json.loads((tmp_path / "a" / "results.json").read_text())["trials"]) == 7 and res.scored
+
+
+def test_references_on_ray_are_scored_on_the_driver_and_compared_as_locally(cluster, example, tmp_path: Path) -> None:
+    """--references with --backend ray: the inputs are scored here, on the driver (this scorer object sees them; the
+    candidates are scored by copies of it in Ray tasks), and results.json's comparison is the local sweep's."""
+    from test_sweep_references import GRID, Known
+
+    base, agents = example
+    on_ray, local = Known(), Known()
+    res = rlmerge.sweep(base, agents, tmp_path / "ray", candidates=GRID, scorer=on_ray, memory="always",
+                        references=True, backend="ray", workers=2)
+    rlmerge.sweep(base, agents, tmp_path / "local", candidates=GRID, scorer=local, memory="always", references=True)
+    assert on_ray.inputs == local.inputs == ["base", "coder", "tool-use", "memory"] and on_ray.candidates == []
+    assert len(local.candidates) == 2 and [s.candidate.label for s in res.ranking][0] == "task_arithmetic scaling=1"
+    docs = [json.loads((tmp_path / f / "results.json").read_text()) for f in ("ray", "local")]
+    assert docs[0]["versus_inputs"] == docs[1]["versus_inputs"]
+    assert [{k: v for k, v in r.items() if k != "score_seconds"} for r in docs[0]["references"]] == \
+        [{k: v for k, v in r.items() if k != "score_seconds"} for r in docs[1]["references"]]
