@@ -132,6 +132,8 @@ SCORER = '''
 def score(built, split="val"):
     scaling = float(dict(built.candidate.params)["scaling"])
     CALLS.append((built.candidate.id, split))
+    if split == "val" and scaling in FAIL:
+        raise RuntimeError("this candidate's evaluation failed")
     # chosen on val, where the largest scaling looks best; the held-out split says otherwise
     return {"t": 10 * scaling if split == "val" else 20 - 10 * scaling}
 
@@ -139,6 +141,7 @@ def plain(built):
     return {"t": 1.0}
 
 CALLS = []
+FAIL = set()
 '''
 
 
@@ -167,6 +170,27 @@ def test_confirm_scores_the_best_again_on_the_held_out_split_beside_their_search
     assert len(calls) == 5
     res = rlmerge.sweep(base, agents, None, candidates=grid, scorer=val, confirm=test, confirm_top=3)
     assert len(res.confirmed) == 3 and len(calls) == 5 + 3 + 3
+
+
+def test_a_resume_that_scores_again_keeps_the_earlier_confirmed_scores(example, tmp_path: Path) -> None:
+    """A resume that rescores a failed candidate saves results.json before it confirms: the confirmed scores are
+    read from the earlier run's file before that, so they are kept, not scored again."""
+    base, agents = example
+    (tmp_path / "evals.py").write_text(SCORER)
+    val = TaskScorer([f"py:{tmp_path / 'evals.py'}:score"])
+    test = val.held_out("test")
+    module = val.parts[0].function().__globals__
+    calls, fail = module["CALLS"], module["FAIL"]
+    grid = ["task_arithmetic scaling=0.5,1.0,1.5"]
+    fail.add(0.5)
+    first = rlmerge.sweep(base, agents, tmp_path / "sw", candidates=grid, scorer=val, confirm=test, keep=2,
+                          settings=val.settings())
+    assert len(first.failed) == 1 and len(first.confirmed) == 2 and len(calls) == 5
+    fail.clear()
+    again = rlmerge.sweep(base, agents, tmp_path / "sw", candidates=grid, scorer=val, confirm=test, keep=2,
+                          resume=True, settings=val.settings())
+    assert [s for _, s in calls[5:]] == ["val"]  # the failed candidate only; the two confirmed ones are kept
+    assert {k: c.average for k, c in again.confirmed.items()} == {k: c.average for k, c in first.confirmed.items()}
 
 
 def test_confirm_is_refused_where_a_scorer_has_no_held_out_split(tmp_path: Path) -> None:

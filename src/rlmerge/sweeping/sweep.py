@@ -153,8 +153,11 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
             if confirm is not None:
                 settings_of = getattr(confirm, "settings", None)
                 confirm_settings = settings_of() if callable(settings_of) else {}
+            # what an earlier run recorded, read before this one saves anything over its results.json
             earlier_refs: tuple[dict[str, Scored], dict[str, Scored]] = read_references(
                 folder, doc, refs, confirm_settings) if refs and resume and folder is not None else ({}, {})
+            earlier_confirmed = read_confirmed(folder, {**doc, "confirm": {"settings": confirm_settings}}) \
+                if confirm is not None and resume and folder is not None else {}
             if refs:
                 assert scorer is not None  # checked above
                 _score_references(run, refs, scorer, earlier_refs[0])
@@ -173,8 +176,7 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
                                                      result.references, seed=seed)
             if confirm is not None:
                 doc["confirm"] = {"top": confirm_top or keep or CONFIRM_TOP, "settings": confirm_settings}
-                result.confirmed = _confirm(run, result, confirm, doc["confirm"]["top"],
-                                            read_confirmed(folder, doc) if resume and folder is not None else {})
+                result.confirmed = _confirm(run, result, confirm, doc["confirm"]["top"], earlier_confirmed)
                 if refs:
                     result.references_confirmed = _confirm_references(run, refs, confirm, earlier_refs[1])
             if folder is not None:
@@ -225,7 +227,7 @@ def _score_references(run: _Run, refs: list[Reference], scorer: Scorer, earlier:
     """Score each input as it is, here (on the driver, also with the Ray backend), unless an earlier run recorded
     it; results.json's ``references`` after each one."""
     run.references.update(earlier)
-    _record_references(run, refs)  # not saved yet: the earlier run's results.json is read again (read_confirmed)
+    _record_references(run, refs)
     for ref in refs:
         if ref.id not in run.references:
             run.references[ref.id] = score_reference(ref, scorer)
