@@ -190,6 +190,26 @@ def test_a_finished_stage_is_reused_and_a_changed_one_runs_again(tmp_path: Path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]  # no partial file left
 
 
+def test_a_models_scores_are_reused_only_for_the_same_examples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's saved scores are keyed by the examples themselves, not only the split's name and size: a split
+    drawn by another rule (as the disjoint validation split was when it became stratified) is scored again."""
+    scored: list[list[str]] = []
+
+    def score(path: Path, sets: dict[str, list[Example]], kind: str) -> dict[str, list[float]]:
+        scored.append([ex.prompt for ex in sets["coding"]])
+        return {f: [1.0] * len(v) for f, v in sets.items()}
+
+    monkeypatch.setattr(pipeline, "score_checkpoint_each", score)
+    _fake_agent(tmp_path / "base", {"settings": "x"})
+    size = _small_uneven()
+    sets = {f: make_split(make_family(f), "val", 4, 0) for f in FAMILIES}
+    other = {**sets, "coding": make_split(make_family("coding"), "val", 4, 1)}
+    for s in (sets, sets, other):
+        pipeline._score_models(pipeline.SeedResult(0), [("Base", tmp_path / "base")], s, size, tmp_path / "stages",
+                               split="val")
+    assert len(scored) == 2 and scored[1] == [ex.prompt for ex in other["coding"]]
+
+
 def test_a_stage_that_fails_leaves_nothing_that_reads_as_finished(tmp_path: Path) -> None:
     def broken() -> dict[str, Any]:
         raise RuntimeError("killed")

@@ -42,7 +42,7 @@ from rlmerge.lab.model import build_model, save_bf16, warm_up
 from rlmerge.lab.paired import paired_report
 from rlmerge.lab.report import markdown_table, plot
 from rlmerge.lab.sizes import SIZES, LabSize, with_steps
-from rlmerge.lab.stages import Clock, fingerprint, run_stage, write_json
+from rlmerge.lab.stages import Clock, examples_digest, fingerprint, run_stage, write_json
 from rlmerge.lab.tasks import FAMILIES, Example, held_out_split, make_family, make_split
 from rlmerge.lab.tokenizer import build_tokenizer
 from rlmerge.lab.views import Kind
@@ -267,6 +267,9 @@ def run_merges(
     """
     cache = StatsCache()  # the rows share the statistics of these inputs (in memory, for this seed)
     inputs = fingerprint([base, *agents], DONE) if stages is not None else ""
+    # the examples a row is chosen on (the sweep's validation split) and scored on (test)
+    examples = examples_digest({**{f"val:{f}": v for f, v in _eval_sets(size, "val", size.n_val, res.seed).items()},
+                                **{f"test:{f}": v for f, v in test.items()}}) if stages is not None else ""
     for plan in methods:
         reason = plan_skip_reason(plan)
         if reason is not None:
@@ -280,7 +283,8 @@ def run_merges(
             return _merge_row(plan, size, base, agents, work, test, res.seed, cache)
 
         key = {"method": plan.method, "grid": candidates, "n_val": size.n_val, "n_test": size.n_test,
-               "kind": size.kind, "disjoint_from_test": size.disjoint_from_test, "inputs": inputs}
+               "kind": size.kind, "disjoint_from_test": size.disjoint_from_test, "inputs": inputs,
+               "examples": examples}
         try:
             if stages is None:
                 record = {"result": row()}
@@ -315,7 +319,7 @@ def _score_models(
     for row, path in models:
         n = len(next(iter(sets.values())))
         key = {"split": split, "n": n, "kind": size.kind, "disjoint_from_test": size.disjoint_from_test,
-               "checkpoint": fingerprint([path], DONE)}
+               "checkpoint": fingerprint([path], DONE), "examples": examples_digest(sets)}
         record = run_stage(stages / f"{split}-{_slug(row)}.json", key,
                            lambda path=path: score_checkpoint_each(path, sets, size.kind), _log)
         _timed(res, f"{split} scores {row}", record)

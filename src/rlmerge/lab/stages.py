@@ -62,6 +62,17 @@ def fingerprint(folders: Sequence[Path], marker: str) -> str:
     return h.hexdigest()[:16]
 
 
+def examples_digest(sets: Mapping[str, Sequence[Any]]) -> str:
+    """A short hash of the examples a stage scores (each family's prompts and gold answers, in order): a split
+    drawn differently (a changed rule, e.g. the disjoint validation split's) changes the key, so scores of other
+    examples are never reused."""
+    h = hashlib.sha256()
+    for fam in sorted(sets):
+        for ex in sets[fam]:
+            h.update(json.dumps([fam, ex.prompt, ex.target]).encode())
+    return h.hexdigest()[:16]
+
+
 def run_stage(
     path: Path, key: Mapping[str, Any], fn: Callable[[], Any], log: Callable[[str], None] = print
 ) -> dict[str, Any]:
