@@ -163,11 +163,21 @@ class TieCut:
         paths (the numba path never pages in torch's kernels, ~200 MB of RSS)."""
         for t in np.flatnonzero(self.pending):
             eq = absd[t] == self.thr[t]
-            count = int(eq.sum())
-            left = int(self.need[t] - self.seen[t])
-            if count >= left:
-                index = int(np.flatnonzero(eq)[left - 1]) if left > 0 else -1
-                self.cut[t] = start + index + 1
-                self.pending[t] = False
-            else:
-                self.seen[t] += count
+            left = self.left(t)
+            index = np.flatnonzero(eq)[left - 1] if 0 < left <= int(eq.sum()) else -1
+            self.add(t, start, int(eq.sum()), int(index))
+
+    def left(self, t: int) -> int:
+        """How many more values equal to thr[t] stream t keeps."""
+        return int(self.need[t] - self.seen[t])
+
+    def add(self, t: int, start: int, count: int, index: int) -> None:
+        """What a scan of stream t from flat element ``start`` found: ``count`` values equal to thr[t], and the
+        flat index (from ``start``) of the left(t)-th of them, −1 when the scan did not meet it (the fast path's
+        kernel stops there; ``feed`` counts the whole block)."""
+        left = self.left(t)
+        if count >= left:  # left 0 (nothing more to keep): the cut is the block's start
+            self.cut[t] = start + (index if left > 0 else -1) + 1
+            self.pending[t] = False
+        else:
+            self.seen[t] += count

@@ -203,15 +203,11 @@ class SelectBackend:
             self.fast.tau_arg))
 
 
-CUT_CHUNK = 1 << 16  # elements decoded at a time to find a tie cut: a few hundred KB beside the block
-
-
 def _feed_cut(fast: FastPath, cut: TieCut, start: int, base: np.ndarray, agents: Any) -> None:
-    """Feed one block to ``cut`` in chunks (decoding the whole block at once would need N float32 copies of it),
-    stopping once every cut is found."""
-    for lo in range(0, base.shape[0], CUT_CHUNK):
-        hi = min(lo + CUT_CHUNK, base.shape[0])
-        tau = fast.block_tau(base[lo:hi], [a[lo:hi] for a in agents])
-        cut.feed(start + lo, np.abs(tau, out=tau))
-        if cut.done:
-            return
+    """Feed one block to ``cut``: one scan per stream still pending, on the compute threads, each stopping at the
+    value it is looking for (kernels.tie_scan)."""
+    pending = [int(t) for t in np.flatnonzero(cut.pending)]
+    found = fast.run_parts([(t,) for t in pending], lambda t: kernels.tie_scan(
+        base, agents, 0, base.shape[0], t, cut.thr[t], cut.left(t), fast.tau_arg)) if pending else []
+    for t, (count, index) in zip(pending, found):
+        cut.add(t, start, int(count), int(index))

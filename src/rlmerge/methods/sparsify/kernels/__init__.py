@@ -16,7 +16,8 @@ NONFINITE_BIN = 0x7F800000 >> 20  # round-0 bins of |τ| patterns at or above in
 
 # Entry points, as the backends call them: (module, function), imported on first use.
 _ENTRIES = {"hist_first": ("select", "hist_first"), "hist_next": ("select", "hist_next"),
-            "select_merge_range": ("select", "merge_range"), "dare_merge_range": ("dare", "merge_range"),
+            "select_merge_range": ("select", "merge_range"),
+            "tie_scan": ("select", "tie_scan"), "dare_merge_range": ("dare", "merge_range"),
             "dare_l1_range": ("dare", "l1_range"), "dare_fold": ("dare", "fold")}
 
 

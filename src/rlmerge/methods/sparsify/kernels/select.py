@@ -73,6 +73,23 @@ def hist_next(base, agents, lo, hi, streams, prefix, active, shift, width, hist,
 
 
 @njit(nogil=True, cache=True)
+def tie_scan(base, agents, lo, hi, t, thr, left, tau):  # type: ignore[no-untyped-def]
+    """(count, index) over elements [lo, hi) of agent t, in flat order: the values with |τ_t| = thr counted until
+    the ``left``-th is met, and that one's index (−1: fewer than ``left`` here, ``count`` of them).
+    methods/_select.TieCut.feed's scan, without decoding the block into float32 copies."""
+    a = agents[t]
+    count = np.int64(0)
+    if left <= 0:  # nothing more to keep
+        return count, np.int64(-1)
+    for j in range(np.uint64(lo), np.uint64(hi)):
+        if abs(_tau(a, j, _dec(base[j]), tau)) == thr:
+            count += 1
+            if count == left:
+                return count, np.int64(j)
+    return count, np.int64(-1)
+
+
+@njit(nogil=True, cache=True)
 def _tile(base, agents, lo, m, keep_lo, keep_hi, cut, offset, w, consts, agent_consts, key, out, wtd, b32, tau):  # type: ignore[no-untyped-def]
     zero = np.float32(0.0)
     one = np.float32(1.0)
