@@ -11,6 +11,11 @@ Each merge runs as a child process; its peak RSS comes from GNU time (``%M``). `
 cache plus one write of the output's bytes, measured in the same run on the same files. rlmerge fsyncs its
 output (``--no-fsync``: it does not, like mergekit); ``+ sync`` is what a ``sync`` after each process still had
 to write, so ``× mergekit (on disk)`` compares the two tools with both outputs on disk.
+
+mergekit runs in two numeric settings, side by side (``--mergekit-settings``): ``bf16`` (``dtype: bfloat16``, the
+recipe most users write: mergekit computes in bf16) and ``fp32`` (``dtype: float32, out_dtype: bfloat16``,
+rlmerge's numeric policy). The machine's free memory (MemAvailable) and load are printed at the start and the
+end: mergekit holds whole tensors of every model and slows down on a machine short of free memory.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -136,13 +142,35 @@ def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, floa
     return read, write, durable
 
 
-def mergekit_config(case: Case, base: Path, agents: list[Path]) -> str:
+# mergekit's two numeric settings: as most users write a recipe (bf16 in, bf16 compute, bf16 out), and
+# rlmerge's own numeric policy (float32 compute, bf16 out). The first is mergekit's fast path; the second is
+# what rlmerge's output is compared with (max |diff|).
+MK_SETTINGS: dict[str, dict[str, str]] = {
+    "bf16": {"dtype": "bfloat16"},
+    "fp32": {"dtype": "float32", "out_dtype": "bfloat16"},
+}
+
+
+def machine() -> str:
+    """The conditions a reader needs to trust a timing: free memory (MemAvailable) and the load averages."""
+    avail = total = 0
+    for ln in Path("/proc/meminfo").read_text().splitlines():
+        if ln.startswith("MemAvailable:"):
+            avail = int(ln.split()[1])
+        elif ln.startswith("MemTotal:"):
+            total = int(ln.split()[1])
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, load {load} (1/5/15 min), "
+            f"MemAvailable {avail / 2**20:.1f} of {total / 2**20:.1f} GiB")
+
+
+def mergekit_config(case: Case, base: Path, agents: list[Path], setting: str = "fp32") -> str:
     import yaml
 
     models = [{"model": str(a), **({"parameters": case.mk_model_params} if case.mk_model_params else {})}
               for a in agents]
     cfg = {"merge_method": case.mergekit, "base_model": str(base), "models": models,
-           "parameters": case.mk_params, "dtype": "float32", "out_dtype": "bfloat16"}  # rlmerge's numeric policy
+           "parameters": case.mk_params, **MK_SETTINGS[setting]}
     if case.mergekit == "linear":  # mergekit's linear averages every model it is given, the base included
         del cfg["base_model"]
     return yaml.safe_dump(cfg, sort_keys=False)
@@ -188,6 +216,10 @@ def main() -> None:
                          "A tmpfs such as /dev/shm/x when the disk cannot hold the inputs and the output")
     ap.add_argument("--mergekit", type=Path, default=ROOT / ".venv-mergekit", help="mergekit venv")
     ap.add_argument("--no-mergekit", action="store_true")
+    ap.add_argument("--mergekit-settings", default=",".join(MK_SETTINGS),
+                    help="mergekit's numeric settings to run, comma-separated: bf16 (dtype: bfloat16, as users write "
+                         "it; mergekit computes in bf16) and fp32 (dtype: float32, out_dtype: bfloat16: rlmerge's "
+                         "numeric policy)")
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--repeat", type=int, default=1, help="runs per rlmerge row; the median is reported")
@@ -196,8 +228,13 @@ def main() -> None:
     ap.add_argument("--torch-path", action="store_true",
                     help="also time each method on the torch kernels (RLMERGE_FAST=0): the before/after")
     args = ap.parse_args()
+    args.mk_settings = [x for x in args.mergekit_settings.split(",") if x]
+    if bad := sorted(set(args.mk_settings) - set(MK_SETTINGS)):
+        ap.error(f"--mergekit-settings: unknown {bad}; choose from {sorted(MK_SETTINGS)}")
 
     from rlmerge.methods import REGISTRY
+
+    print(f"machine: {machine()}", flush=True)
 
     tag = args.size + (f"-{args.layers}l" if args.layers else "")
     t0 = time.perf_counter()
@@ -223,9 +260,11 @@ def main() -> None:
         rows += [bench_case(k, CASES[k], base, agents, args, floor_s, None, torch_path=True) for k in keys]
     for theirs, *_ in MK_DONE.values():
         shutil.rmtree(theirs, ignore_errors=True)
-    print_table(rows, floor_s, tag)
+    print(f"machine at the end: {machine()}", flush=True)
+    print_table(rows, floor_s, tag, args.mk_settings if use_mk else [])
     if args.json:
-        args.json.write_text(json.dumps({"set": tag, "floor_s": floor_s, "read_s": read_s, "write_s": write_s,
+        args.json.write_text(json.dumps({"set": tag, "machine": machine(), "floor_s": floor_s, "read_s": read_s,
+                                         "write_s": write_s,
                                          "write_fsync_s": durable_s, "fsync": not args.no_fsync, "rows": rows},
                                         indent=2))
 
@@ -253,26 +292,35 @@ def bench_case(key: str, case: Case, base: Path, agents: list[Path], args: argpa
     print(f"rlmerge {key}: wall {wall:.1f} s (+ sync {sync:.1f} s), merge {merge_s:.1f} s, peak RSS {rss:.2f} GB",
           flush=True)
     if mk_bin is not None and case.mergekit is not None:
-        text = mergekit_config(case, base, agents)
-        if text not in MK_DONE:  # one mergekit run per distinct config (ram+ and ram+tl share ramplus_tl)
-            theirs = work / f"mk-{len(MK_DONE)}"
-            shutil.rmtree(theirs, ignore_errors=True)
-            cfg = work / f"mk-{len(MK_DONE)}.yml"
-            cfg.write_text(text)
-            mk_wall, mk_rss, _, mk_sync = run_child([str(mk_bin), str(cfg), str(theirs), "--no-copy-tokenizer",
-                                                     "--no-write-model-card", "--quiet"])
-            MK_DONE[text] = (theirs, mk_wall, mk_rss, mk_sync)
-            print(f"mergekit {case.mergekit}: wall {mk_wall:.1f} s (+ sync {mk_sync:.1f} s), peak RSS "
-                  f"{mk_rss:.2f} GB", flush=True)
-        theirs, mk_wall, mk_rss, mk_sync = MK_DONE[text]
-        row.update({"mk_method": case.mergekit, "mk_wall_s": mk_wall, "mk_sync_s": mk_sync, "mk_rss_gb": mk_rss,
-                    "x_mergekit": mk_wall / wall, "x_mergekit_on_disk": (mk_wall + mk_sync) / (wall + sync),
-                    "max_abs_diff": max_abs_diff(ours, theirs)})
+        for setting in args.mk_settings:
+            row.update(run_mergekit(case, setting, base, agents, work, mk_bin, ours, wall, sync))
     shutil.rmtree(ours, ignore_errors=True)
     return row
 
 
 MK_DONE: dict[str, tuple[Path, float, float, float]] = {}  # mergekit config → (output, wall s, RSS GB, sync s)
+
+
+def run_mergekit(case: Case, setting: str, base: Path, agents: list[Path], work: Path, mk_bin: Path, ours: Path,
+                 wall: float, sync: float) -> dict:
+    """One mergekit run per distinct config (ram+ and ram+tl share ramplus_tl); the row's fields for one
+    numeric setting, keyed ``mk_<setting>_…``."""
+    text = mergekit_config(case, base, agents, setting)
+    if text not in MK_DONE:
+        theirs = work / f"mk-{len(MK_DONE)}"
+        shutil.rmtree(theirs, ignore_errors=True)
+        cfg = work / f"mk-{len(MK_DONE)}.yml"
+        cfg.write_text(text)
+        mk_wall, mk_rss, _, mk_sync = run_child([str(mk_bin), str(cfg), str(theirs), "--no-copy-tokenizer",
+                                                 "--no-write-model-card", "--quiet"])
+        MK_DONE[text] = (theirs, mk_wall, mk_rss, mk_sync)
+        print(f"mergekit {case.mergekit} ({setting}): wall {mk_wall:.1f} s (+ sync {mk_sync:.1f} s), peak RSS "
+              f"{mk_rss:.2f} GB", flush=True)
+    theirs, mk_wall, mk_rss, mk_sync = MK_DONE[text]
+    k = f"mk_{setting}_"
+    return {"mk_method": case.mergekit, k + "wall_s": mk_wall, k + "sync_s": mk_sync, k + "rss_gb": mk_rss,
+            k + "x_wall": mk_wall / wall, k + "x_on_disk": (mk_wall + mk_sync) / (wall + sync),
+            k + "max_abs_diff": max_abs_diff(ours, theirs)}
 
 
 def warm_up(methods: list[Case], work: Path) -> None:
@@ -289,20 +337,31 @@ def warm_up(methods: list[Case], work: Path) -> None:
         shutil.rmtree(work / f"warm-out{i}", ignore_errors=True)
 
 
-def print_table(rows: list[dict], floor_s: float, tag: str) -> None:
-    """wall: the process's life; + sync: what it left for the disk to write; × mergekit: wall against wall
-    (mergekit leaves its output in the page cache), and with both outputs on disk (wall + sync each)."""
-    print(f"\n| method ({tag}) | wall s | + sync s | merge s | peak RSS GB | × floor ({floor_s:.2f} s) | mergekit | "
-          "mergekit wall s | + sync s | mergekit RSS GB | × mergekit (wall) | × mergekit (on disk) | "
-          "max |diff| vs mergekit |")
-    print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+def print_table(rows: list[dict], floor_s: float, tag: str, settings: list[str]) -> None:
+    """wall: the process's life; + sync: what it left for the disk to write; × mergekit: mergekit's wall against
+    rlmerge's (mergekit leaves its output in the page cache), and with both outputs on disk (wall + sync each),
+    one group of columns per mergekit numeric setting, side by side."""
+    head = f"| method ({tag}) | wall s | + sync s | merge s | peak RSS GB | × floor ({floor_s:.2f} s) |"
+    rule = "|---|---:|---:|---:|---:|---:|"
+    if settings:
+        head += " mergekit |"
+        rule += "---|"
+    for st in settings:
+        head += (f" mk {st} wall s | + sync s | mk {st} RSS GB | × mk {st} (wall) | × mk {st} (on disk) | "
+                 f"max |diff| vs mk {st} |")
+        rule += "---:|---:|---:|---:|---:|---:|"
+    print("\n" + head + "\n" + rule)
     for r in rows:
-        mk = (f"{r['mk_method']} | {r['mk_wall_s']:.1f} | {r['mk_sync_s']:.1f} | {r['mk_rss_gb']:.2f} | "
-              f"{r['x_mergekit']:.1f}× | {r['x_mergekit_on_disk']:.1f}× | {r['max_abs_diff']:.3g}"
-              ) if "mk_wall_s" in r else "— | — | — | — | — | — | —"
-        print(f"| {r['method']} | {r['wall_s']:.1f} | {r['sync_s']:.1f} | {r['merge_s']:.1f} | {r['rss_gb']:.2f} | "
-              f"{r['x_floor']:.1f}× | {mk} |")
-
+        line = (f"| {r['method']} | {r['wall_s']:.1f} | {r['sync_s']:.1f} | {r['merge_s']:.1f} | {r['rss_gb']:.2f} | "
+                f"{r['x_floor']:.1f}× |")
+        if settings:
+            line += f" {r.get('mk_method', '—')} |"
+        for st in settings:
+            k = f"mk_{st}_"
+            line += (f" {r[k + 'wall_s']:.1f} | {r[k + 'sync_s']:.1f} | {r[k + 'rss_gb']:.2f} | "
+                     f"{r[k + 'x_wall']:.1f}× | {r[k + 'x_on_disk']:.1f}× | {r[k + 'max_abs_diff']:.3g} |"
+                     ) if k + "wall_s" in r else " — | — | — | — | — | — |"
+        print(line)
 
 if __name__ == "__main__":
     main()
