@@ -78,7 +78,10 @@ def run_python(code: str, *, stdin: str | bytes | None = None, files: Mapping[st
         if not name or "/" in name or name in (".", "..") or "\0" in name:
             raise ValueError(f"files: {name!r} is not a plain file name")
     iso = ensure_isolation(unsafe_unisolated)
-    cpu = max(1, math.ceil(timeout_s))
+    # The wall-clock limit is the time limit; the CPU rlimit is a backstop one second past it. Equal to it, a
+    # program that spins from its first instant reached its CPU seconds as the wall clock ran out and the kernel's
+    # SIGKILL raced the timer: on a quiet machine it was reported "exit 137", not "timeout".
+    cpu = math.ceil(timeout_s) + 1
     limits = [0, cpu, memory_mb << 20, scratch_mb << 20, OPEN_FILES, max_processes if iso is not None else -1]
     with ExitStack() as stack:
         stdin_fd = subprocess.DEVNULL if stdin is None else _data_fd(stack, "stdin", stdin, read_only=True)
