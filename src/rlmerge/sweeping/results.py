@@ -42,12 +42,11 @@ def dump(doc: dict[str, Any]) -> bytes:
     return (json.dumps(doc, indent=2, default=str) + "\n").encode()
 
 
-def resumed(folder: SweepDir, doc: dict[str, Any], lookup: Callable[[dict[str, Any]], Candidate | None], *,
-            keep_failed: bool = False) -> dict[str, Scored]:
-    """The candidates an earlier run of this sweep finished (its results.json), after checking it is this sweep.
-    ``lookup`` finds a record's candidate (None: not this sweep's); a candidate the scorer failed on is scored again,
-    unless ``keep_failed`` (a search: its failed trial was told, and stays failed)."""
-    old = old_doc(folder)
+def resumed(folder: SweepDir, old: Any, doc: dict[str, Any], lookup: Callable[[dict[str, Any]], Candidate | None],
+            *, keep_failed: bool = False) -> dict[str, Scored]:
+    """The candidates an earlier run of this sweep finished (``old``: its results.json, ``old_doc``), after checking
+    it is this sweep. ``lookup`` finds a record's candidate (None: not this sweep's); a candidate the scorer failed
+    on is scored again, unless ``keep_failed`` (a search: its failed trial was told, and stays failed)."""
     if old is None:
         return {}
     if not isinstance(old, dict) or old.get("schema") != SCHEMA or old.get("fingerprint") != doc["fingerprint"]:
@@ -77,13 +76,11 @@ def _scored(rec: dict[str, Any], c: Candidate | Reference, examples: Mapping[str
                   rec.get("lambdas"), details, None if rec.get("error") is None else str(rec["error"]))
 
 
-def read_references(folder: SweepDir, doc: dict[str, Any], refs: list[Reference],
+def read_references(old: Any, doc: dict[str, Any], refs: list[Reference],
                     confirm: dict[str, Any] | None = None) -> tuple[dict[str, Scored], dict[str, Scored]]:
-    """The references (inputs scored as they are) an earlier run of this sweep recorded (results.json's
+    """The references (inputs scored as they are) an earlier run of this sweep recorded (``old``: its results.json,
     ``references``), by id: only those of the same input at the same place, a failed one is scored again; and
-    their held-out scores, when ``confirm`` (the confirming scorer's settings) is what that run confirmed with.
-    Read before this run writes its own results.json."""
-    old = old_doc(folder)
+    their held-out scores, when ``confirm`` (the confirming scorer's settings) is what that run confirmed with."""
     if not isinstance(old, dict) or old.get("fingerprint") != doc["fingerprint"]:
         return {}, {}
     same_confirm = confirm is not None and (old.get("confirm") or {}).get("settings") == confirm
@@ -103,7 +100,8 @@ def read_references(folder: SweepDir, doc: dict[str, Any], refs: list[Reference]
 
 
 def old_doc(folder: SweepDir) -> Any:
-    """The results.json an earlier run wrote here, parsed (None: none, or not JSON)."""
+    """The results.json an earlier run wrote here, parsed (None: none, or not JSON). A resumed sweep reads it once,
+    before it saves its own over it, and hands it to ``resumed``, ``read_references`` and ``read_confirmed``."""
     raw = folder.read(RESULTS)
     try:
         return json.loads(raw) if raw is not None else None
@@ -122,12 +120,11 @@ def from_record(rec: dict[str, Any]) -> Candidate | None:
         return None
 
 
-def read_confirmed(folder: SweepDir, doc: dict[str, Any]) -> dict[str, Scored]:
-    """An earlier run's confirmed scores (results.json's ``confirmed``, when its sweep and its confirming scorer's
-    settings are this one's), by candidate id; a failed one is scored again."""
-    old = old_doc(folder)
+def read_confirmed(old: Any, doc: dict[str, Any], confirm: dict[str, Any] | None) -> dict[str, Scored]:
+    """An earlier run's confirmed scores (``old``: its results.json, ``confirmed``, when its sweep and its confirming
+    scorer's settings, ``confirm``, are this one's), by candidate id; a failed one is scored again."""
     if not isinstance(old, dict) or old.get("fingerprint") != doc["fingerprint"] or \
-            (old.get("confirm") or {}).get("settings") != doc["confirm"]["settings"]:
+            (old.get("confirm") or {}).get("settings") != confirm:
         return {}
     by_id = {r.get("id"): r for r in old.get("candidates") or [] if isinstance(r, dict)}
     out = {}

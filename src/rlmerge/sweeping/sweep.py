@@ -42,7 +42,7 @@ from .build import Built, Context, Memory, Reference, Scored, Scorer, build_and_
 from .cache import StatsCache
 from .candidates import Candidate, check, parse_all
 from .noise import DRAWS, average_interval, compare
-from .results import RESULTS, dump, from_record, new_doc, read_confirmed, read_references, resumed
+from .results import RESULTS, dump, from_record, new_doc, old_doc, read_confirmed, read_references, resumed
 from .scores import TaskScore, details_json
 from .space import Space, parse_spaces
 
@@ -145,19 +145,18 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
             ctx = Context(str(base), [str(a) for a in agents], options, memory, pf.base.side_dir,
                           folder.path if folder is not None else None)
             run = _Run(ctx, cache, folder, doc, backend=backend, workers=workers, on_result=on_result)
+            # what an earlier run recorded, read once, before this one saves anything over its results.json
+            old = old_doc(folder) if resume and folder is not None else None
             if resume and folder is not None:
                 planned = {c.id: c for c in cands}
-                run.scored.update(resumed(folder, doc, (lambda r: planned.get(r.get("id"))) if spaces is None
-                                          else from_record, keep_failed=spaces is not None))
+                run.scored.update(resumed(folder, old, doc, (lambda r: planned.get(r.get("id")))
+                                          if spaces is None else from_record, keep_failed=spaces is not None))
             confirm_settings = None
             if confirm is not None:
                 settings_of = getattr(confirm, "settings", None)
                 confirm_settings = settings_of() if callable(settings_of) else {}
-            # what an earlier run recorded, read before this one saves anything over its results.json
-            earlier_refs: tuple[dict[str, Scored], dict[str, Scored]] = read_references(
-                folder, doc, refs, confirm_settings) if refs and resume and folder is not None else ({}, {})
-            earlier_confirmed = read_confirmed(folder, {**doc, "confirm": {"settings": confirm_settings}}) \
-                if confirm is not None and resume and folder is not None else {}
+            earlier_refs = read_references(old, doc, refs, confirm_settings) if refs else ({}, {})
+            earlier_confirmed = read_confirmed(old, doc, confirm_settings) if confirm is not None else {}
             if refs:
                 assert scorer is not None  # checked above
                 _score_references(run, refs, scorer, earlier_refs[0])
