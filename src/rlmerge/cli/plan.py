@@ -41,9 +41,8 @@ def plan_command(
 ) -> None:
     """Check a merge from headers only (no weight is read): report every problem and what it will cost."""
     req = gather(models, recipe, method, dtype, param, **(flags or {}))
-    output_options = ("output_format", "rank", "non_linear")
     options = {k: v for k, v in req.options.items()
-               if k in ("shard_size", "block_size", "tokenizer_source", "chat_template", *output_options)}
+               if k in ("shard_size", "block_size", "tokenizer_source", "chat_template")}
     allow_missing = allow_missing or bool(req.options.get("allow_missing", False))
     count_tied_twice = count_tied_twice or bool(req.options.get("count_tied_twice", False))
     options.update({k: v for k, v in {"shard_size": shard_size, "block_size": block_size,

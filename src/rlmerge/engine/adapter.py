@@ -73,12 +73,14 @@ class Ranks:
     def __str__(self) -> str:
         return {"full": "full", "rank": f"{int(self.value)}", "energy": f"energy={self.value:g}"}[self.kind]
 
+    def at_most(self, d: int) -> int:
+        """The most a matrix of full rank ``d`` keeps, known before it is read: R (at most ``d``), else ``d``."""
+        return min(int(self.value), d) if self.kind == "rank" else d
+
     def keep(self, sq: np.ndarray) -> int:
         """Rank to keep of a matrix whose squared singular values are ``sq`` (descending)."""
-        if self.kind == "full":
-            return len(sq)
-        if self.kind == "rank":
-            return min(int(self.value), len(sq))
+        if self.kind != "energy":
+            return self.at_most(len(sq))
         total = float(sq.sum())
         share = np.cumsum(sq) / total if total > 0 else np.ones(len(sq))
         return min(len(sq), int(np.searchsorted(share, self.value * (1 - 1e-12))) + 1)
@@ -356,17 +358,12 @@ def _lora_shapes(match: Any) -> list[tuple[int, int]]:
     return [(j.shape[0], j.shape[1]) for j in match.merge_jobs if role(j) == "lora"]
 
 
-def _kept(ranks: Ranks, d: int) -> int:
-    """The most a matrix of full rank ``d`` keeps: ``R`` (at most ``d``); ``d`` for full or an energy share."""
-    return min(int(ranks.value), d) if ranks.kind == "rank" else d
-
-
 def adapter_write_bytes(match: Any, ranks: Ranks, out_dtypes: Mapping[str, DType]) -> int:
     """At most the tensor bytes the adapter holds, from headers (``rlmerge plan``): each linear layer's factors in
     float32, ``A`` (k × n) and ``B`` (m × k), k its kept rank (exact for ``--rank R`` where every matrix changed;
     an energy share keeps at most the full rank), and every other merged tensor whole in its output dtype (only
     those the merge changes are saved), a tied embedding twice (also as lm_head, ``AdapterWriter.complete``)."""
-    lora = sum(4 * (m + n) * _kept(ranks, min(m, n)) for m, n in _lora_shapes(match))
+    lora = sum(4 * (m + n) * ranks.at_most(min(m, n)) for m, n in _lora_shapes(match))
     saved = sum(j.numel * out_dtypes[j.name].itemsize * (2 if j.name in match.tied else 1)
                 for j in match.merge_jobs if role(j) == "save")
     return lora + saved
@@ -379,7 +376,7 @@ def adapter_memory(match: Any, ranks: Ranks) -> int:
     n)). With torch's own share where the merge's path does not load it (``with_adapter``): for the 0.5B shape
     (largest matrix 4,864 × 896) + 0.28 GiB at rank 16 and + 0.33 GiB at full rank, where docs/shipping.md measured
     the merge's peak + 0.27 and + 0.32 GiB."""
-    return max((20 * m * n + 16 * min(m, n) ** 2 + 12 * _kept(ranks, min(m, n)) * max(m, n)
+    return max((20 * m * n + 16 * min(m, n) ** 2 + 12 * ranks.at_most(min(m, n)) * max(m, n)
                 for m, n in _lora_shapes(match)), default=0)
 
 
