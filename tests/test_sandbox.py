@@ -235,7 +235,12 @@ def test_fork_bomb_is_bounded() -> None:
 
 # -- the classic ones -------------------------------------------------------------------------------------------------
 def test_files_outside_the_scratch_cannot_be_written(planted: Path) -> None:
-    project = Path(__file__).resolve().parents[1]  # (tmp_path is under /tmp, which inside is the program's scratch)
+    # tmp_path is under /tmp, which inside is the program's scratch: a folder there does not exist inside. So is a
+    # checkout cloned under /tmp (`mktemp -d`), where making the project's folder inside makes it in the program's
+    # own scratch: the home folder, never under /tmp, stands in for it then.
+    project = Path(__file__).resolve().parents[1]
+    if project.is_relative_to(Path(tempfile.gettempdir()).resolve()):
+        project = Path.home()
     code = ("import os\n"
             "for attempt in (lambda: open(TARGET + '/new.txt', 'w').write('x'),\n"
             "                lambda: open(TARGET + '/keep/data.bin', 'wb').write(b'y'),\n"
