@@ -156,3 +156,80 @@ def test_histogram_counts_equal_fed_values(form: str) -> None:
     want = [torch.sort(tau[t].abs(), descending=True).values[k - 1].item() for t, k in zip((0, 1, 1, 0), ranks)]
     assert want[3] == 0.0
     assert fed.values().tolist() == counted.values().tolist() == want
+
+
+@pytest.mark.parametrize("after", [1, 2])
+def test_gathered_bin_ends_the_selection_exactly(after: int) -> None:
+    """KthLargest.finish, given the values in each query's bin after ``after`` rounds (as gather_bin finds them),
+    answers as every round would: the k-th largest, how many values exceed it and how many equal it (an oracle
+    from a sort), for a sparse agent, heavy ties (τ of bfloat16 values repeat) and a rank among the zeros."""
+    g = torch.Generator().manual_seed(after)
+    base = (torch.randn(6000, generator=g) * 0.02).to(torch.bfloat16)
+    agents = torch.stack([(base.float() + torch.randn(6000, generator=g) * 1e-3).to(torch.bfloat16)
+                          for _ in range(2)])
+    agents[0, :4500] = base[:4500]
+    tau = agents.float() - base.float()
+    b16 = base.view(torch.int16).numpy().view(np.uint16)
+    a16 = tuple(a.view(torch.int16).numpy().view(np.uint16) for a in agents)
+    streams, ranks = [0, 1, 1, 0], [7, 1, 3000, 5000]
+    sel = KthLargest(n_streams=2, streams=streams)
+    for r in range(after):
+        sel.feed(tau)
+        sel.next_round(ranks if r == 0 else None)
+    sizes = sel.in_bin
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    bits = np.empty(int(sizes.sum()), dtype=np.uint32)
+    index = np.empty(int(sizes.sum()), dtype=np.int64)
+    fill = np.zeros(4, dtype=np.int64)
+    for lo, hi in ((0, 2500), (2500, 6000)):  # two calls, as two blocks (or threads) would
+        family_kernels.gather_bin(b16, a16, lo, hi, 0, sel.streams, sel.prefix, sel.active, sel.above, starts,
+                                  starts + sizes, fill, bits, index, None)
+    assert fill.tolist() == sizes.tolist()
+    for q, t in enumerate(streams):  # each gathered value is |τ_t| at its index
+        got = bits[starts[q]:starts[q] + fill[q]].view(np.float32)
+        assert got.tolist() == tau[t].abs().numpy()[index[starts[q]:starts[q] + fill[q]]].tolist()
+    sel.finish([bits[s:s + f] for s, f in zip(starts, fill)])
+    assert sel.done
+    for q, (t, k) in enumerate(zip(streams, ranks)):
+        a = tau[t].abs()
+        v = torch.sort(a, descending=True).values[k - 1]
+        assert sel.values()[q] == v.item()
+        if sel.active[q]:  # (an answer among the zeros keeps round 0's counts: the non-zero values and the zeros)
+            assert (sel.greater[q], sel.equal[q]) == (int((a > v).sum()), int((a == v).sum()))
+    assert not sel.active[3] and sel.values()[3] == 0.0
+
+
+@pytest.mark.parametrize("budget", [0, 20, None])
+@pytest.mark.parametrize(("method", "params"), [("ties", {"density": 0.4}), ("breadcrumbs_ties",
+                                                                            {"density": 0.8, "gamma": 0.01})])
+def test_gathering_or_rounds_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int | None,
+                                        method: str, params: dict) -> None:
+    """Whether a selection ends by gathering its bins after round 0 (the default budget), after round 1 (a small
+    one) or runs every round and scans for the tie cut (none), the bytes are the torch path's; the spies show
+    which ran. Ties at the threshold in the edge models exercise the cut found from the gathered indices."""
+    from rlmerge.methods.sparsify import fast_select
+
+    base, agents = _edge_models(tmp_path / "in", torch.bfloat16)
+    ran: dict[str, int] = {"gather_bin": 0, "hist_next": 0, "tie_scan": 0}
+    for name in ran:
+        real = getattr(family_kernels, name)
+
+        def spy(*args: object, _real=real, _name=name) -> object:
+            ran[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(family_kernels, name, spy)
+    if budget is not None:
+        monkeypatch.setattr(fast_select, "GATHER", budget)
+    for block in (1000, 1 << 20):
+        _, _, calls = _merge_both(base, agents, tmp_path / f"{block}", monkeypatch, method, params, None, block)
+        assert calls > 0
+        _same_bytes(tmp_path / f"{block}" / "torch", tmp_path / f"{block}" / "fast")
+    if budget == 0:
+        assert ran["gather_bin"] == 0 and ran["hist_next"] > 0
+    elif budget is None:
+        assert ran["gather_bin"] > 0 and ran["hist_next"] == 0 and ran["tie_scan"] == 0
+    else:
+        assert ran["gather_bin"] > 0 and ran["hist_next"] > 0
+    if method == "ties" and budget == 0:
+        assert ran["tie_scan"] > 0  # the edge models have ties at the threshold

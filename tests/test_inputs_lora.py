@@ -147,10 +147,13 @@ def test_adapters_on_the_numba_path_write_the_torch_paths_bytes(lora, tmp_path: 
     assert_same_tensors(load_output(tmp_path / "numba"), load_output(tmp_path / "torch"))
 
 
-def test_ties_exact_k_on_adapter_tau_writes_the_torch_paths_bytes(lora, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("gather", [True, False])
+def test_ties_exact_k_on_adapter_tau_writes_the_torch_paths_bytes(lora, tmp_path: Path, monkeypatch,
+                                                                  gather: bool) -> None:
     """TIES keeps exactly k per tensor, cutting the ties at its threshold in flat order; on the numba path the cut
-    is found from the agents' τ as the blocks hold them. An adapter whose factors are small multiples of 2^-6 has
-    τ = s·B·A on a coarse grid: many |τ| equal the threshold."""
+    is found from the agents' τ as the blocks hold them: from the gathered bins, or (no room to gather) by a scan
+    while merging. An adapter whose factors are small multiples of 2^-6 has τ = s·B·A on a coarse grid: many |τ|
+    equal the threshold."""
     from safetensors.torch import load_file, save_file
 
     from rlmerge.methods.sparsify import fast_select
@@ -166,8 +169,13 @@ def test_ties_exact_k_on_adapter_tau_writes_the_torch_paths_bytes(lora, tmp_path
     agents = [coarse, adapters[1]]
     assert numba_route(base, agents, "ties")[0]
     feeds = []
-    real = fast_select._feed_cut
-    monkeypatch.setattr(fast_select, "_feed_cut", lambda *a: feeds.append(a[0].tau) or real(*a))
+    if gather:
+        real = fast_select.kernels.gather_bin
+        monkeypatch.setattr(fast_select.kernels, "gather_bin", lambda *a: feeds.append(a[-1]) or real(*a))
+    else:
+        monkeypatch.setattr(fast_select, "GATHER", 0)
+        real = fast_select._feed_cut
+        monkeypatch.setattr(fast_select, "_feed_cut", lambda *a: feeds.append(a[0].tau) or real(*a))
     kw = {"method": "ties", "params": {"density": 0.3}, "dtype": "bfloat16", "block_size": 3000}
     rlmerge.merge(base, agents, tmp_path / "numba", **kw)
     assert feeds and all(feeds)  # ties at a threshold were cut, from τ

@@ -65,6 +65,7 @@ class KthLargest:
         self.ranks = np.zeros(len(streams), dtype=np.int64)  # [Q] the ranks asked for (after round 0)
         self.greater = np.zeros(len(streams), dtype=np.int64)  # [Q] once done: how many values exceed the answer
         self.equal = np.zeros(len(streams), dtype=np.int64)  # [Q] once done: how many equal it
+        self.in_bin = np.zeros(len(streams), dtype=np.int64)  # [Q] after a round: the values in the query's bin
 
     @property
     def done(self) -> bool:
@@ -114,10 +115,12 @@ class KthLargest:
             zeros = ~self.active  # answered: 0, with every non-zero value above it
             self.greater = np.where(zeros, k - self.rank_left + counted[:, 0], 0)
             self.equal = np.where(zeros, counted[:, BINS[0]], 0)
+            self.in_bin = np.where(self.active, hist[np.arange(len(k)), digit], 0)
         else:
             hist = np.broadcast_to(self.hist, (len(self.streams), BINS[self.round]))
             digit, self.rank_left = _from_top(hist, np.where(self.active, self.rank_left, 1))
             digit = np.where(self.active, digit, 0)
+            self.in_bin = np.where(self.active, hist[np.arange(len(digit)), digit], 0)
             if self.round == ROUNDS - 1:  # the last digit: its bin holds one value, the answer
                 at = hist[np.arange(len(digit)), digit]
                 self.greater = np.where(self.active, self.ranks - self.rank_left, self.greater)
@@ -127,6 +130,33 @@ class KthLargest:
         self.round += 1
         if self.done:  # a query answered early has prefix 0: the value 0
             self._result = self.prefix.astype(np.uint32).view(np.float32).copy()
+
+    @property
+    def above(self) -> int:
+        """After a round: the bits below the fixed prefix; a value is in query q's bin when its pattern shifted right
+        by this equals prefix[q]."""
+        shift, width = self.digit
+        return shift + width
+
+    def finish(self, bits: list[np.ndarray]) -> None:
+        """End the selection after a round from every value in each active query's bin instead of more rounds:
+        ``bits[q]`` their float32 patterns as uint32, in any order, ``in_bin[q]`` of them (ignored for an answered
+        query). The fast path gathers a bin when it is small enough (fast_select.py)."""
+        if self.round == 0 or self.done:
+            raise RuntimeError("KthLargest.finish after round 0 and before the last round only")
+        for q in np.flatnonzero(self.active):
+            b = np.asarray(bits[q], dtype=np.uint32)
+            if len(b) != self.in_bin[q]:
+                raise RuntimeError(f"KthLargest.finish: {len(b)} values gathered for query {q}, its bin holds "
+                                   f"{self.in_bin[q]}")
+            at = len(b) - int(self.rank_left[q])  # the rank_left-th largest of the bin
+            v = np.partition(b, at)[at]
+            self.greater[q] = self.ranks[q] - self.rank_left[q] + int(np.count_nonzero(b > v))
+            self.equal[q] = int(np.count_nonzero(b == v))
+            self.prefix[q] = int(v)
+        self.prefix = np.where(self.active, self.prefix, 0)
+        self.round = ROUNDS
+        self._result = self.prefix.astype(np.uint32).view(np.float32).copy()
 
     def values(self) -> np.ndarray:
         """[Q] float32: the exact k-th largest |value| of each query."""

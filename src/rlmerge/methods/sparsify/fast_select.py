@@ -1,9 +1,12 @@
 """TIES and Breadcrumbs on the numba block stream: exact |τ| thresholds from histograms, then the merge rule.
 
-A tensor that fits in one block is read once (selected in memory); ``ties_global``'s thresholds are its
-statistics pass. The thresholds come from the torch path's ``GtaObserver``, so the bytes are the torch path's.
-With a sweep's cache (interface.Entries) a tensor whose window is cached is read once, and one whose round-0
-histogram is cached skips that round; what this backend finds is added to the cache.
+A tensor that fits in one block is read once (selected in memory); ``ties_global``'s thresholds are its statistics
+pass. A per-tensor selection whose queries' bins hold at most ``GATHER`` values after a round gathers them on the
+next read and ends there (``KthLargest.finish``; TIES' tie cut from their indices); the reads planned for a larger
+tensor stay ROUNDS + 1, and a round left over takes its blocks without computing on them. The thresholds come from
+the torch path's ``GtaObserver``, so the bytes are the torch path's. With a sweep's cache (interface.Entries) a
+tensor whose window is cached is read once, and one whose round-0 histogram is cached skips that round; what this
+backend finds is added to the cache.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class Select:
         return select_reads(observer, job, block, cache)
 
     def memory(self, jobs: Sequence[Job], n: int) -> int:
-        return 0  # its histograms are kilobytes
+        return GATHER * _GATHERED_BYTES  # its histograms are kilobytes; a gathered bin at most this
 
     def open(self, run: Run, stream: FastPath) -> SelectBackend:
         return SelectBackend(run, stream, self.name, self.preset)
@@ -62,6 +65,44 @@ def select_reads(obs: GtaObserver, job: Job, block: int, cached: Entries | None 
         if cached.get("hist0", "", job.name) is not None:
             return ROUNDS
     return ROUNDS + 1
+
+
+# A selection is ended by gathering the values of its queries' bins (KthLargest.finish) instead of more rounds
+# when they fit this many slots (per compute thread, every query of a tensor): after round 0 a bin is 1/8 of an
+# octave of |τ|, a few per cent of a tensor; a larger one takes round 1 first (1/1024 of that).
+GATHER = 1 << 21
+_GATHERED_BYTES = 4 + 8  # a float32 pattern and a flat index
+
+
+@dataclass
+class _Gather:
+    """The bins of a tensor's queries being gathered, block by block: per compute thread one part per query."""
+
+    sizes: np.ndarray  # [Q] the values in each query's bin (KthLargest.in_bin)
+    starts: np.ndarray  # [Q] where each query's part begins in a thread's buffers
+    bits: np.ndarray  # [threads, Σ sizes] uint32
+    index: np.ndarray  # [threads, Σ sizes] int64
+    fill: np.ndarray  # [threads, Q] int64: found so far
+
+    @classmethod
+    def of(cls, sizes: np.ndarray, threads: int) -> _Gather | None:
+        total = int(sizes.sum())
+        if total * threads > GATHER:
+            return None
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        return cls(sizes, starts, np.empty((threads, total), dtype=np.uint32),
+                   np.empty((threads, total), dtype=np.int64), np.zeros((threads, len(sizes)), dtype=np.int64))
+
+    def parts(self, name: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per query, every gathered pattern and flat index (threads' parts one after the other)."""
+        if not (self.fill.sum(0) == self.sizes).all():
+            raise RuntimeError(f"{name}: gathered {self.fill.sum(0).tolist()} values of bins holding "
+                               f"{self.sizes.tolist()}: the tensor changed while it was merged?")
+        bits, index = [], []
+        for q, s in enumerate(self.starts):
+            bits.append(np.concatenate([b[s:s + f] for b, f in zip(self.bits, self.fill[:, q])]))
+            index.append(np.concatenate([x[s:s + f] for x, f in zip(self.index, self.fill[:, q])]))
+        return bits, index
 
 
 class SelectBackend:
@@ -82,15 +123,23 @@ class SelectBackend:
         self.hist0 = np.zeros((fast.threads, n, SUBHISTS, BINS[0] + 1), dtype=np.int64)
         self.histq = np.zeros((fast.threads, 0, max(BINS[1:]) + 8), dtype=np.int64)
         self._numel = 0
+        self._gather: _Gather | None = None  # the bins being gathered instead of the next round
 
     def reads(self, job: Job) -> int:
         return select_reads(self.obs, job, self.fast.block, self.run.cache)
 
     # -- the selection rounds --------------------------------------------------------------------------
     def _count(self, job: Job, start: int, base: np.ndarray, agents: Any) -> None:
-        """Add one block to the current round's histogram."""
+        """Add one block to the current round's histogram, or gather its values in the queries' bins."""
         sel = self.obs.selection
         assert sel is not None
+        g = self._gather
+        if g is not None:
+            ends = g.starts + g.sizes
+            self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gather_bin(
+                base, agents, lo, hi, start, sel.streams, sel.prefix, sel.active, sel.above, g.starts, ends,
+                g.fill[k], g.bits[k], g.index[k], self.fast.tau_arg))
+            return
         if sel.round == 0:
             self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.hist_first(
                 base, agents, lo, hi, self.hist0[k], self.fast.tau_arg))
@@ -105,9 +154,14 @@ class SelectBackend:
             base, agents, lo, hi, sel.streams, sel.prefix, sel.active, shift, width, self.histq[k], self.fast.tau_arg))
 
     def _end_round(self, name: str | None) -> bool:
-        """Hand the round's counts to the observer; True while another round is wanted."""
+        """Hand the round's counts (or gathered bins) to the observer; True while another round is wanted."""
         sel = self.obs.selection
         assert sel is not None
+        if self._gather is not None:
+            assert name is not None
+            self.obs.gathered(name, *self._gather.parts(name))
+            self._gather = None
+            return self._again(name, ended=True)
         if sel.round == 0:
             counts = self.hist0.sum(axis=(0, 2))  # [N, BINS[0] + 1]: threads and sub-histograms added
             self.hist0[:] = 0
@@ -120,9 +174,14 @@ class SelectBackend:
         self._numel = 0
         return self._again(name)
 
-    def _again(self, name: str | None) -> bool:
-        """The observer's ``again``; a tensor's finished window goes into the cache."""
-        more = self.obs.again(name)
+    def _again(self, name: str | None, ended: bool = False) -> bool:
+        """The observer's ``again`` (``ended``: the selection was ended by gathering); a tensor's finished window
+        goes into the cache. When another round is wanted and the queries' bins are small enough, it gathers them
+        instead (a per-tensor selection: its last read; a whole-model one keeps its rounds)."""
+        more = False if ended else self.obs.again(name)
+        sel = self.obs.selection
+        if more and name is not None and sel is not None and not self.obs.needs_l1:
+            self._gather = _Gather.of(sel.in_bin, self.fast.threads)
         if not more and name is not None and self.run.cache is not None:
             self.run.cache.put("bounds", self.obs.selection_key(), name,
                                np.asarray(self.obs.window(name), dtype=np.float32))

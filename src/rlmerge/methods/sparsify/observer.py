@@ -177,6 +177,34 @@ class GtaObserver(Observer):
             sel.next_round()
         if not sel.done:
             return True
+        return self._selected(name)
+
+    def gathered(self, name: str, bits: list[np.ndarray], index: list[np.ndarray]) -> None:
+        """End tensor ``name``'s selection from the values in its queries' bins (``KthLargest.finish``) instead of more
+        rounds; with exact k, the cut comes from their flat indices ``index[q]``, so no stream of the tensor is
+        left to find it (the numba path gathers a bin that is small enough)."""
+        sel = self._sel
+        if sel is None or self.preset.prune == "magnitude-global" or self.needs_l1:
+            raise RuntimeError(f"{name}: only a per-tensor selection without L1 sums is ended by gathering")
+        sel.finish(bits)
+        self._selected(name)
+        cut = self.cut
+        if cut is None:
+            return
+        thr = cut.thr.view(np.uint32)
+        for q, (t, side, _) in enumerate(self._queries):
+            if side == 0 and cut.pending[t]:  # the ties are in the bin: take the left(t)-th in flat order
+                ties = np.sort(index[q][bits[q] == thr[t]])
+                left = cut.left(t)
+                if len(ties) < left:
+                    raise RuntimeError(f"{name}: {len(ties)} ties gathered for agent {t}, {left} to keep")
+                cut.add(t, 0, len(ties), int(ties[left - 1]))
+
+    def _selected(self, name: str | None) -> bool:
+        """After the last round: the window and, per tensor, what the trim keeps; True asks for the cut stream."""
+        sel = self._sel
+        assert sel is not None
+        global_ = self.preset.prune == "magnitude-global"
         values = sel.values()
         if global_:
             lo = np.where(np.array(self.density) >= 1.0, np.float32(0.0), values).astype(np.float32)

@@ -73,6 +73,35 @@ def hist_next(base, agents, lo, hi, streams, prefix, active, shift, width, hist,
 
 
 @njit(nogil=True, cache=True)
+def gather_bin(base, agents, lo, hi, offset, streams, prefix, active, above, starts, ends, fill, bits, index, tau):  # type: ignore[no-untyped-def]
+    """Append to query q's part of ``bits``/``index`` ([starts[q], ends[q])) the |τ_t| patterns and flat indices
+    (``offset`` + element) of the elements [lo, hi) in its bin (pattern >> ``above`` equal to prefix[q], t =
+    streams[q]), for the active queries; fill[q] counts what was found, also past ends[q], which is never written.
+    What methods/_select.KthLargest.finish ends a selection with instead of its remaining rounds."""
+    sh = np.uint32(above)
+    keys = np.empty(TILE, dtype=np.uint32)
+    for q in range(streams.shape[0]):
+        if not active[q]:
+            continue
+        a = agents[streams[q]]
+        target = np.uint32(prefix[q])
+        at = starts[q] + fill[q]
+        end = ends[q]
+        for start in range(np.uint64(lo), np.uint64(hi), np.uint64(TILE)):
+            m = min(np.uint64(TILE), np.uint64(hi) - start)
+            for j in range(m):  # the patterns a tile at a time, in a loop that vectorises (as hist_next)
+                keys[j] = _f32_as_u32(_tau(a, start + j, _dec(base[start + j]), tau)) & _ABS
+            for j in range(m):
+                u = keys[j]
+                if (u >> sh) == target:
+                    if at < end:
+                        bits[at] = u
+                        index[at] = np.int64(offset) + np.int64(start + j)
+                    at += 1
+        fill[q] = at - starts[q]
+
+
+@njit(nogil=True, cache=True)
 def tie_scan(base, agents, lo, hi, t, thr, left, tau):  # type: ignore[no-untyped-def]
     """(count, index) over elements [lo, hi) of agent t, in flat order: the values with |τ_t| = thr counted until
     the ``left``-th is met, and that one's index (−1: fewer than ``left`` here, ``count`` of them).

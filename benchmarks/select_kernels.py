@@ -1,0 +1,78 @@
+"""CPU time of the selection kernels of TIES / Breadcrumbs on one block of a benchmark set (docs/benchmarks.md).
+
+One thread, ``time.thread_time``, best of 3: round 0's histogram (``hist_first``, every agent), a later round's
+(``hist_next``, the queries still active) and the gather that can replace the later rounds (``gather_bin``), on
+the first ``--block`` elements of ``--tensor`` of a set ``benchmarks/run.py`` made, ranks at ``--density``.
+
+    python benchmarks/select_kernels.py /work/bench-data/redesign/0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from rlmerge import kernels
+from rlmerge.methods._select import BINS, KthLargest
+from rlmerge.methods.sparsify import kernels as k
+
+
+def bf16_bits(folder: Path, name: str, n: int) -> np.ndarray:
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, "pt") as h:
+            if name in h.keys():  # noqa: SIM118 (safe_open has keys(), no __contains__)
+                t = h.get_tensor(name).reshape(-1)[:n]
+                if t.dtype != torch.bfloat16:
+                    raise SystemExit(f"{f}: {name} is {t.dtype}, this script reads bfloat16 sets")
+                return t.view(torch.int16).numpy().view(np.uint16).copy()
+    raise SystemExit(f"{folder}: no tensor {name}")
+
+
+def best(fn) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(3):
+        t = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("set", type=Path, help="a folder with base/ and the agents' folders (benchmarks/run.py)")
+    ap.add_argument("--tensor", default="model.embed_tokens.weight")
+    ap.add_argument("--block", type=int, default=1 << 22)
+    ap.add_argument("--density", type=float, default=0.5)
+    a = ap.parse_args()
+    agents_dirs = sorted(d for d in a.set.iterdir() if d.is_dir() and d.name != "base")
+    base = bf16_bits(a.set / "base", a.tensor, a.block)
+    agents = tuple(bf16_bits(d, a.tensor, a.block) for d in agents_dirs)
+    n, q = len(base), len(agents)
+    hist = np.zeros((q, kernels.SUBHISTS, BINS[0] + 1), dtype=np.int64)
+    print(f"{a.tensor}, {n} elements, agents {[d.name for d in agents_dirs]}, rank {int(a.density * n)}")
+    t = best(lambda: k.hist_first(base, agents, 0, n, hist, None))
+    print(f"hist_first (round 0, {q} agents): {t * 1e3:.1f} ms")
+    hist[:] = 0
+    k.hist_first(base, agents, 0, n, hist, None)
+    sel = KthLargest(n_streams=q, streams=list(range(q)))
+    sel.add_counts(hist.sum(1))
+    sel.next_round([max(1, int(a.density * n))] * q)
+    print(f"queries still active after round 0: {int(sel.active.sum())}; values in their bins: {sel.in_bin.tolist()}")
+    hq = np.zeros((q, BINS[1] + 8), dtype=np.int64)
+    t = best(lambda: k.hist_next(base, agents, 0, n, sel.streams, sel.prefix, sel.active, *sel.digit, hq, None))
+    print(f"hist_next (one later round): {t * 1e3:.1f} ms")
+    sizes = sel.in_bin
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    bits, index = np.empty(int(sizes.sum()), np.uint32), np.empty(int(sizes.sum()), np.int64)
+    t = best(lambda: k.gather_bin(base, agents, 0, n, 0, sel.streams, sel.prefix, sel.active, sel.above, starts,
+                                  starts + sizes, np.zeros(q, np.int64), bits, index, None))
+    print(f"gather_bin (instead of rounds 1 and 2): {t * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
