@@ -10,9 +10,12 @@ Builds (or reuses) the Qwen2.5-0.5B-shaped set of benchmarks/dataset.py, then, e
 
 No scorer runs (the cost of scoring is the scorer's); the sweeps report their statistics and merge passes and the
 bytes they read. The inputs sit in the page cache after the first run (3.8 GB on a 24 GB machine), so this
-measures the passes' compute and memory traffic, not a disk.
+measures the passes' compute and memory traffic, not a disk. Each candidate's merge time (the sweep's
+``merge_seconds``) is set against the floor of benchmarks/run.py measured in the same run: one read of the inputs
+for a candidate built in memory (it writes nothing), a read and a write for one built on disk.
 
-    .venv/bin/python benchmarks/sweep_cache.py [--workdir DIR] [--size 0.5b] [--grid "ram+ r=… alpha=…"]
+    .venv/bin/python benchmarks/sweep_cache.py [--workdir DIR] [--size 0.5b] [--grid "METHOD k=v,v …"]
+                                               [--no-separate]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from dataset import make_set  # noqa: E402
+from run import floor  # noqa: E402
 
 SWEEP = """
 import json, sys, time
@@ -40,7 +44,8 @@ res = rlmerge.sweep(job["base"], job["agents"], job["out"], candidates=[job["gri
                     dtype=job["dtype"])
 print(json.dumps({"seconds": time.perf_counter() - t0, "statistics": res.statistics_passes,
                   "merges": res.merge_passes, "read_bytes": sum(s.read_bytes for s in res.scored),
-                  "where": sorted({s.where for s in res.scored}), "n": len(res.scored)}))
+                  "where": sorted({s.where for s in res.scored}), "n": len(res.scored),
+                  "merge_seconds": [s.merge_seconds for s in res.scored]}))
 """
 CLI = "import sys; from rlmerge.cli import entry; sys.argv[0] = 'rlmerge'; entry()"
 
@@ -60,10 +65,10 @@ def timed(args: list[str]) -> tuple[dict, float, float]:
     return doc, seconds, rss
 
 
-def candidates(grid: str) -> list[dict[str, str]]:
+def candidates(grid: str) -> list[tuple[str, dict[str, str]]]:
     from rlmerge.sweeping.candidates import parse_grid
 
-    return [dict(c.params) for c in parse_grid(grid)]
+    return [(c.method, dict(c.params)) for c in parse_grid(grid)]
 
 
 def main() -> None:
@@ -74,34 +79,55 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16",
                     help="the candidates' output dtype (default bfloat16, as measured in docs/sweep.md; float32 is "
                          "ram+'s own default)")
+    ap.add_argument("--no-separate", action="store_true", help="skip the separate merges (only the sweeps)")
     args = ap.parse_args()
     base, agents = make_set(args.workdir / args.size, args.size)
     tmp = Path(tempfile.mkdtemp(prefix="rlmerge-bench-sweep-"))
     try:
+        files = sorted(f for d in (base, *agents) for f in Path(d).glob("*.safetensors"))
+        out_bytes = sum(f.stat().st_size for f in Path(base).glob("*.safetensors"))
+        if args.dtype == "float32":
+            out_bytes *= 2  # a bf16 set's output in float32
+        read_s, write_s, _ = floor(files, out_bytes, tmp / "floor.bin")
+        print(f"floor: read {sum(f.stat().st_size for f in files) / 1e9:.2f} GB in {read_s:.2f} s, write "
+              f"{out_bytes / 1e9:.2f} GB in {write_s:.2f} s", flush=True)
         rows = []
+        per: list[tuple[str, list[float], float]] = []  # (run, each candidate's merge seconds, its floor)
         total = [0.0, 0, 0.0]  # seconds, bytes read, peak RSS
-        for i, params in enumerate(candidates(args.grid)):
+        for i, (method, params) in enumerate([] if args.no_separate else candidates(args.grid)):
             flags = [x for k, v in params.items() for x in ("--param", f"{k}={v}")]
             out = tmp / f"merge{i}"
             doc, wall, rss = timed(["-c", CLI, "merge", str(base), *map(str, agents), "-o", str(out),
-                                    "--method", "ram+", *flags, "--dtype", args.dtype, "--json", "--no-fsync", "-q"])
+                                    "--method", method, *flags, "--dtype", args.dtype, "--json", "--no-fsync",
+                                    "-q"])
             shutil.rmtree(out)
             total = [total[0] + wall, total[1] + doc["read_bytes"], max(total[2], rss)]
-            print(f"merge {i}: {params} {wall:.1f} s, {doc['read_bytes'] / 1e9:.2f} GB read", flush=True)
-        n = i + 1
-        rows.append((f"{n} × rlmerge merge", total[0], f"{n} + {n}", total[1], total[2], "disk"))
+            print(f"merge {i}: {method} {params} {wall:.1f} s, {doc['read_bytes'] / 1e9:.2f} GB read", flush=True)
+        if not args.no_separate:
+            n = i + 1
+            rows.append((f"{n} × rlmerge merge", total[0], f"{n} + {n}", total[1], total[2], "disk"))
         for memory in ("always", "never"):
             job = {"base": str(base), "agents": [str(a) for a in agents], "out": str(tmp / f"sweep-{memory}"),
                    "grid": args.grid, "memory": memory, "dtype": args.dtype}
             doc, wall, rss = timed(["-c", SWEEP, json.dumps(job)])
             rows.append((f"rlmerge.sweep, {doc['n']} candidates", wall, f"{doc['statistics']} + {doc['merges']}",
                          doc["read_bytes"], rss, "/".join(doc["where"])))
+            per.append((f"rlmerge.sweep, memory={memory!r}", doc["merge_seconds"],
+                        read_s if memory == "always" else read_s + write_s))
             print(f"sweep ({memory}): {wall:.1f} s", flush=True)
         print(f"\n{args.size} set, grid {args.grid!r}, {os.cpu_count()} CPUs\n")
         print("| run | wall s | statistics + merge passes | GB read | peak RSS GiB | candidates built |")
         print("|---|---:|---:|---:|---:|---|")
         for name, wall, passes, read, rss, where in rows:
             print(f"| {name} | {wall:.1f} | {passes} | {read / 1e9:.2f} | {rss:.2f} | {where} |")
+        print("\n| run | merge s per candidate (first, then the others' median, min–max) | floor s | "
+              "× floor (the others' median) |")
+        print("|---|---|---:|---:|")
+        for name, secs, fl in per:
+            rest = sorted(secs[1:]) or secs
+            med = rest[len(rest) // 2]
+            print(f"| {name} | {secs[0]:.2f}, then {med:.2f} ({rest[0]:.2f}–{rest[-1]:.2f}) | {fl:.2f} | "
+                  f"{med / fl:.1f}× |")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
