@@ -28,6 +28,7 @@ GRIDS = [
               {"preset": "tensor-local"}, {"preset": "paper-soft", "r": 0.3}, {"preset": "magnitude"},
               {"preset": "sign-elect"}, {"preset": "magnitude", "r": 0.2}]),
     ("ties", [{"density": 0.1}, {"density": 0.3}, {"density": 0.3, "scaling": 0.7}]),
+    ("ties", [{"density": 0.3, "tie_break": "keep-all"}, {"density": 0.3, "tie_break": "keep-all", "scaling": 0.7}]),
     ("breadcrumbs", [{"density": 0.8, "gamma": 0.05}, {"density": 0.8, "gamma": 0.05, "scaling": 0.5}]),
     ("ties_global", [{"density": 0.2}, {"density": 0.2, "scaling": 0.5}]),
     ("model_stock", [{}, {}]),
@@ -95,9 +96,9 @@ def test_ram_plus_candidates_read_one_statistics_pass_and_one_merge_pass_each(ex
 def test_ties_reads_a_round_less_with_cached_histograms_and_once_with_cached_thresholds(
         example, tmp_path: Path, monkeypatch) -> None:
     """Density 0.1, then 0.3 (round 0 from the cache), then 0.3 with another scaling (thresholds from the cache):
-    a tensor larger than a block is read ROUNDS + 1, ROUNDS, then 1 time(s); one that fits, once. That is TIES
-    with ``tie_break: keep-all``; with the default exact k the window alone does not say which tied values are
-    kept, so the third merge reuses the round-0 histogram but runs its rounds again (ROUNDS reads)."""
+    a tensor larger than a block is read ROUNDS + 1, ROUNDS, then 1 time(s); one that fits, once. With TIES'
+    default exact k (``tie_break: index``) the cache keeps the tie cut beside the window, so the third merge reads
+    once as with ``keep-all``; its bytes are those of the same merge without a cache."""
     monkeypatch.setenv("RLMERGE_FAST", "1")
     base, agents = example
     _, per, copies = pass_bytes(base, agents)
@@ -105,18 +106,18 @@ def test_ties_reads_a_round_less_with_cached_histograms_and_once_with_cached_thr
     big = {n: b for n, (b, numel) in per.items() if numel > block}
     small = sum(b for n, (b, numel) in per.items() if numel <= block)
     assert big and small
-    for tie_break, last in (("keep-all", 1), ("index", ROUNDS)):
+    for tie_break in ("keep-all", "index"):
         cache = StatsCache()
         reads = []
         for params in ({"density": 0.1}, {"density": 0.3}, {"density": 0.3, "scaling": 0.7}):
             res = rlmerge.merge(base, agents, tmp_path / f"{tie_break}{len(reads)}", method="ties",
                                 params={**params, "tie_break": tie_break}, block_size=BLOCK, cache=cache)
             reads.append(res.read_bytes - copies - small)
-        assert reads == [(ROUNDS + 1) * sum(big.values()), ROUNDS * sum(big.values()), last * sum(big.values())]
-        if tie_break == "keep-all":
-            assert cache.hits["hist0"] == len(per) and cache.hits["bounds"] == len(per)
-        else:  # the second and third merges start from the cached histogram; no window is reused
-            assert cache.hits["hist0"] == 2 * len(per) and cache.hits["bounds"] == 0
+        assert reads == [(ROUNDS + 1) * sum(big.values()), ROUNDS * sum(big.values()), sum(big.values())]
+        assert cache.hits["hist0"] == len(per) and cache.hits["bounds"] == len(per)
+        uncached = rlmerge.merge(base, agents, tmp_path / f"{tie_break}-uncached", method="ties",
+                                 params={"density": 0.3, "scaling": 0.7, "tie_break": tie_break}, block_size=BLOCK)
+        same_folder(uncached.output, res.output)
 
 
 def test_a_cache_kept_in_a_sweep_folder_serves_the_next_run(example, tmp_path: Path) -> None:

@@ -175,16 +175,13 @@ class SelectBackend:
         return self._again(name)
 
     def _again(self, name: str | None, ended: bool = False) -> bool:
-        """The observer's ``again`` (``ended``: the selection was ended by gathering); a tensor's finished window
-        goes into the cache. When another round is wanted and the queries' bins are small enough, it gathers them
-        instead (a per-tensor selection: its last read; a whole-model one keeps its rounds)."""
+        """The observer's ``again`` (``ended``: the selection was ended by gathering). When another round is wanted
+        and the queries' bins are small enough, it gathers them instead (a per-tensor selection: its last read; a
+        whole-model one keeps its rounds)."""
         more = False if ended else self.obs.again(name)
         sel = self.obs.selection
         if more and name is not None and sel is not None and not self.obs.needs_l1:
             self._gather = _Gather.of(sel.in_bin, self.fast.threads)
-        if not more and name is not None and self.run.cache is not None:
-            self.run.cache.put("bounds", self.obs.selection_key(), name,
-                               np.asarray(self.obs.window(name), dtype=np.float32))
         return more
 
     def _cached_round0(self, job: Job) -> bool | None:
@@ -226,8 +223,7 @@ class SelectBackend:
             self.obs.begin_tensor(job.name, job.numel)  # its ranks and default window
             window = self.obs.cached_window(cache, job.name) if own and cache is not None else None
         if cache is not None and window is not None:  # selected by an earlier merge of these inputs
-            cache.used("bounds")
-            self.obs.bounds[job.name] = window
+            self.obs.recall(cache, job.name)
             own = False
         selecting = reads > 1 and self._cached_round0(job) is not False
         for read, start, stop, slot, base, agents in job_reads(self.fast, self._blocks, job, reads, ts,
@@ -249,6 +245,8 @@ class SelectBackend:
             merged = self.fast.out_view(slot, job, stop - start)
             self._merge(job, start, base, agents, merged, self.no_cut if cut is None else cut.cut)
             write_slot(out, slot, merged, bar)
+            if stop == job.numel and own and cache is not None:  # selected (and cut) by this merge: kept
+                self.obs.remember(cache, job.name)
 
     def _merge(self, job: Job, start: int, base: np.ndarray, agents: Any, merged: np.ndarray, cut: np.ndarray
                ) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 from ..._torch import torch
 from ...params import per_agent
 from ...stream.blocks import row_length
-from .._select import ROUNDS, KthLargest, TieCut
+from .._select import NO_CUT, ROUNDS, KthLargest, TieCut
 from ..interface import BlockContext, Entries, Observer
 from .l1 import LaneSum, l1_factors
 from .presets import INF, Preset, Prune, magprune_epsilon
@@ -231,6 +231,8 @@ class GtaObserver(Observer):
         self.kept[name] = kept
         if (need >= 0).any():
             self.cut = TieCut(self.bounds[name][0], need)
+        elif self.exact:  # every tie is kept: the cut is past the end (what a cache keeps for this selection)
+            self.cuts[name] = np.full(self.n, NO_CUT, dtype=np.int64)
 
     def cuts_of(self, name: str) -> np.ndarray | None:
         """[N] int64: |τ_t| equal to the lower bound is kept below flat index cut_t (None: every such value)."""
@@ -259,19 +261,52 @@ class GtaObserver(Observer):
 
     # -- what a statistics cache keeps of it (a sweep's merges of the same inputs; interface.Entries) ------------
     # ``hist0``: a tensor's round-0 histogram of |τ| (any density); ``bounds``: its window under this selection;
-    # ``kept``: what the trim kept there ("" for a whole-model window)
+    # ``kept``: what the trim kept there ("" for a whole-model window); ``cuts``: with exact k, where the values tied
+    # at its threshold stop being kept (TieCut.cut)
     def selection_key(self) -> str:
         """What a tensor's |τ| window depends on besides the data: the pruning and each agent's density and γ."""
         return repr((self.preset.prune, tuple(float(d) for d in self.density), tuple(float(g) for g in self.gamma)))
 
     def cached_window(self, cache: Entries, name: str) -> np.ndarray | None:
-        """[2, N] float32: the cached window of tensor ``name`` ("": the whole model), or None. None for an exact-k
-        selection (TIES' tie_break = index): the window alone does not say which of the values tied at its
-        threshold are kept, so such a selection runs its rounds (from the cached round-0 histogram)."""
-        if self.exact:
+        """[2, N] float32: the cached window of tensor ``name`` ("": the whole model), or None. For an exact-k
+        selection (TIES' tie_break = index) only with its cached cut: the window alone does not say which of the
+        values tied at its threshold are kept; without the cut such a selection runs its rounds (from the cached
+        round-0 histogram)."""
+        if self.exact and self.cached_cut(cache, name) is None:
             return None
         w = cache.get("bounds", self.selection_key(), name)
         return None if w is None else np.asarray(w, dtype=np.float32)
+
+    def cached_cut(self, cache: Entries, name: str) -> np.ndarray | None:
+        """[N] int64: the cached tie cut of tensor ``name`` under this selection (exact k only), or None."""
+        c = cache.get("cuts", self.selection_key(), name) if self.exact else None
+        return None if c is None else np.asarray(c, dtype=np.int64)
+
+    def remember(self, cache: Entries, name: str) -> None:
+        """Keep tensor ``name``'s selection in ``cache`` once it is merged (the numba path, which selects while
+        merging): its window, what the trim kept and, with exact k, its tie cut (``cut`` there)."""
+        if not self._cacheable:
+            return
+        key = self.selection_key()
+        cache.put("bounds", key, name, np.asarray(self.window(name), dtype=np.float32))
+        if name in self.kept:
+            cache.put("kept", key, name, np.asarray(self.kept[name], dtype=np.int64))
+        if self.exact:
+            cut = self.cut.cut if self.cut is not None else self.cuts.get(name, np.full(self.n, NO_CUT))
+            cache.put("cuts", key, name, np.asarray(cut, dtype=np.int64))
+
+    def recall(self, cache: Entries, name: str) -> None:
+        """Tensor ``name``'s selection from ``cache`` (``remember``; ``cached_window`` said it is there): the numba
+        path then merges it in one read."""
+        self.bounds[name] = self.cached_window(cache, name)  # type: ignore[assignment]
+        cache.used("bounds")
+        k = cache.get("kept", self.selection_key(), name)
+        if k is not None:
+            self.kept[name] = np.asarray(k, dtype=np.int64)
+        c = self.cached_cut(cache, name)
+        if c is not None:
+            self.cut = TieCut(np.zeros(self.n, dtype=np.float32), np.full(self.n, -1, dtype=np.int64))
+            self.cut.cut[:] = c
 
     @property
     def _cacheable(self) -> bool:
@@ -289,6 +324,9 @@ class GtaObserver(Observer):
             if w is not None:
                 self.bounds[name] = w
                 cache.used("bounds")
+                c = self.cached_cut(cache, name)
+                if c is not None:
+                    self.cuts[name] = c
                 k = cache.get("kept", self.selection_key(), name)
                 if k is not None:  # what the trim kept: the merge's `kept` column
                     self.kept[name] = np.asarray(k, dtype=np.int64)
@@ -300,6 +338,8 @@ class GtaObserver(Observer):
                 cache.put("bounds", key, name, np.asarray(w, dtype=np.float32))
             for name, k in self.kept.items():
                 cache.put("kept", key, name, np.asarray(k, dtype=np.int64))
+            for name, c in self.cuts.items():
+                cache.put("cuts", key, name, np.asarray(c, dtype=np.int64))
 
     def absorb(self, other: Observer) -> None:
         if isinstance(other, GtaObserver):
