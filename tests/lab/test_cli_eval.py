@@ -1,4 +1,5 @@
-"""`rlmerge eval`: the lab's scorers, and lm-evaluation-harness tasks next to them (the `eval` extra).
+"""`rlmerge eval`: the sweep's scorers (the lab's tasks, lm-evaluation-harness with the `eval` extra, a command of the
+user's) on any checkpoint, each score with its n and standard error, several checkpoints compared with the first.
 
 The lm-eval tests run offline, on a task defined by a local YAML + JSONL file and a tiny checkpoint made
 here; the harness's accuracy is checked against an independent oracle: the same model's summed
@@ -15,11 +16,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-typer_testing = pytest.importorskip("typer.testing")
 
-import typer  # noqa: E402 - after the importorskip
-
-from rlmerge.cli.lab import eval_command  # noqa: E402
+from rlmerge.cli import main  # noqa: E402 - after the importorskip
 from rlmerge.lab import harness  # noqa: E402
 from rlmerge.lab.evaluate import load_checkpoint  # noqa: E402
 from rlmerge.lab.model import ModelShape, build_model, save_bf16  # noqa: E402
@@ -32,12 +30,15 @@ DOCS = [
 ]
 
 
+def _tiny(out: Path, seed: int) -> Path:
+    tok = build_tokenizer()
+    save_bf16(build_model(tok, ModelShape(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64), seed), tok, out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt")
-    tok = build_tokenizer()
-    save_bf16(build_model(tok, ModelShape(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64), 3), tok, out)
-    return out
+    return _tiny(tmp_path_factory.mktemp("ckpt"), 3)
 
 
 @pytest.fixture(scope="module")
@@ -60,28 +61,82 @@ def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _app() -> typer.Typer:
-    app = typer.Typer()
-    app.command("eval")(eval_command)
-    app.command("noop")(lambda: None)  # two commands, so typer keeps the subcommand name
-    return app
+def _eval(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    code = main(["eval", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, " ".join(out.err.split())  # rich wraps an error box
 
 
-def test_eval_prints_json_scores_for_requested_tasks(checkpoint: Path) -> None:
-    result = typer_testing.CliRunner().invoke(
-        _app(), ["eval", str(checkpoint), "--tasks", "memory,coding", "--n", "4", "--json"]
-    )
-    assert result.exit_code == 0, result.output
-    scores = json.loads(result.output)
-    assert set(scores) == {"memory", "coding"}
-    assert all(0.0 <= v <= 100.0 for v in scores.values())
+@pytest.fixture(scope="module")
+def other(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second checkpoint of the same shape, other weights."""
+    return _tiny(tmp_path_factory.mktemp("ckpt2"), 4)
 
 
-def test_eval_refuses_an_unknown_task(checkpoint: Path) -> None:
-    result = typer_testing.CliRunner().invoke(_app(), ["eval", str(checkpoint), "--tasks", "chess"])
-    assert result.exit_code != 0
-    message = " ".join(result.output.split())  # rich wraps the error box
-    assert "'chess'" in message and "tool_use, coding, memory" in message
+def test_eval_prints_json_scores_for_requested_tasks(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _eval(capsys, checkpoint, "--tasks", "memory,coding", "--n", "4", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    (row,) = doc["models"]
+    assert row["model"] == str(checkpoint) and set(row["scores"]) == {"lab:memory", "lab:coding"}
+    assert all(0.0 <= v <= 100.0 for v in row["scores"].values())
+    assert all(d["n"] == 4 and d["stderr"] is not None for d in row["details"].values())
+    assert doc["versus_first"] == [None]
+    assert doc["settings"]["split"] == "test" and doc["settings"]["limit"] == 4
+
+
+def test_the_lab_scores_are_the_test_split_scored_directly(checkpoint: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Oracle: the lab's own scorer on the seed's test split, called without the command."""
+    from rlmerge.lab.evaluate import score_examples
+    from rlmerge.lab.tasks import make_family, make_split
+
+    code, out, err = _eval(capsys, checkpoint, "--tasks", "memory", "--limit", "6", "--seed", "1", "--json")
+    assert code == 0, err
+    model, tok = load_checkpoint(checkpoint)
+    want = 100.0 * score_examples(model, tok, make_split(make_family("memory"), "test", 6, 1))
+    assert json.loads(out)["models"][0]["scores"]["lab:memory"] == pytest.approx(want)
+
+
+def test_several_models_are_compared_with_the_first_on_the_same_examples(
+        checkpoint: Path, other: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _eval(capsys, checkpoint, other, checkpoint, "--tasks", "memory,tool_use", "--n", "6",
+                           "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    first, second, again = doc["models"]
+    assert again["scores"] == first["scores"]  # the same model, the same examples: the same scores
+    vs = doc["versus_first"][1]
+    for task in ("lab:memory", "lab:tool_use"):
+        c = vs[task]
+        assert c["how"] == "paired bootstrap"
+        assert c["difference"] == pytest.approx(first["scores"][task] - second["scores"][task])
+        assert c["low"] <= c["difference"] <= c["high"]
+    assert vs["average"]["difference"] == pytest.approx(first["average"] - second["average"])
+    same = doc["versus_first"][2]["average"]
+    assert (same["difference"], same["low"], same["high"], same["indistinguishable"]) == (0.0, 0.0, 0.0, True)
+    code, text, err = _eval(capsys, checkpoint, other, "--tasks", "memory", "--n", "6")
+    assert code == 0, err
+    assert "lab:memory" in text and "(n=6)" in text and "first − this" in text and "paired bootstrap" in text
+
+
+def test_a_command_scores_each_model_in_its_folder(checkpoint: Path, other: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """cmd: gets the model's folder as {model} and its position as RLMERGE_CANDIDATE (model1, model2)."""
+    prog = ("import json, os, sys; print(json.dumps({'files': len(os.listdir(sys.argv[1])), "
+            "'position': int(os.environ['RLMERGE_CANDIDATE'].removeprefix('model'))}))")
+    code, out, err = _eval(capsys, checkpoint, other, "--tasks", f'cmd:{sys.executable} -c "{prog}" {{model}}',
+                           "--json")
+    assert code == 0, err
+    rows = json.loads(out)["models"]
+    assert [r["scores"]["position"] for r in rows] == [1.0, 2.0]
+    assert [r["scores"]["files"] for r in rows] == [float(len(list(p.iterdir()))) for p in (checkpoint, other)]
+
+
+def test_eval_refuses_an_unknown_task(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _eval(capsys, checkpoint, "--tasks", "lab:chess")
+    assert code == 2
+    assert "'lab:chess'" in err and "tool_use, coding, memory" in err
 
 
 def oracle_each(checkpoint: Path) -> list[float]:
@@ -107,52 +162,49 @@ def _oracle_accuracy(checkpoint: Path) -> float:
 
 
 @pytest.mark.slow
-def test_lab_and_lm_eval_tasks_in_one_list(checkpoint: Path, task_dir: Path) -> None:
+def test_lab_and_lm_eval_tasks_in_one_list(checkpoint: Path, task_dir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("lm_eval", reason="the eval extra (rlmerge[eval]) is not installed")
-    result = typer_testing.CliRunner().invoke(
-        _app(),
-        ["eval", str(checkpoint), "--tasks", "memory,lab_codes", "--include-path", str(task_dir), "--n", "8", "--json"],
-    )
-    assert result.exit_code == 0, result.output
-    scores = json.loads(result.stdout)  # lm-eval's progress bars go to stderr
-    assert set(scores) == {"memory", "lab_codes"}
-    assert 0.0 <= scores["memory"] <= 100.0
-    acc = scores["lab_codes"]["acc,none"]
-    assert acc == pytest.approx(_oracle_accuracy(checkpoint))
-    assert "acc_stderr,none" in scores["lab_codes"]
+    code, out, err = _eval(capsys, checkpoint, "--tasks", "memory,lab_codes", "--include-path", task_dir, "--n", "8",
+                           "--json")
+    assert code == 0, err
+    row = json.loads(out)["models"][0]  # lm-eval's progress bars go to stderr
+    assert set(row["scores"]) == {"lab:memory", "lm-eval:lab_codes"}
+    assert 0.0 <= row["scores"]["lab:memory"] <= 100.0
+    assert row["scores"]["lm-eval:lab_codes"] == pytest.approx(100.0 * _oracle_accuracy(checkpoint))  # acc, in %
+    assert row["details"]["lm-eval:lab_codes"]["stderr"] is not None
 
 
 @pytest.mark.slow
-def test_unknown_task_is_named_and_the_available_ones_listed(checkpoint: Path, task_dir: Path) -> None:
+def test_unknown_task_is_named_and_the_available_ones_listed(checkpoint: Path, task_dir: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("lm_eval", reason="the eval extra (rlmerge[eval]) is not installed")
-    result = typer_testing.CliRunner().invoke(
-        _app(), ["eval", str(checkpoint), "--tasks", "memory,lab_codez", "--include-path", str(task_dir)]
-    )
-    assert result.exit_code != 0
-    message = " ".join(result.output.split())  # rich wraps the error box
+    code, _, message = _eval(capsys, checkpoint, "--tasks", "memory,lab_codez", "--include-path", task_dir)
+    assert code == 2
     assert "'lab_codez'" in message
     assert "lab_codes" in message  # the include-path task, offered as a close match and listed
     assert "tool_use, coding, memory" in message
 
 
-def test_without_lm_eval_the_error_says_how_to_install(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_lm_eval_the_error_says_how_to_install(checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` now raises ImportError
     harness._task_manager.cache_clear()
     try:
-        result = typer_testing.CliRunner().invoke(_app(), ["eval", str(checkpoint), "--tasks", "hellaswag"])
+        code, _, message = _eval(capsys, checkpoint, "--tasks", "hellaswag")
     finally:
         harness._task_manager.cache_clear()
-    assert result.exit_code != 0
-    message = " ".join(result.output.split())
+    assert code == 2
     assert "'hellaswag'" in message
     assert "pip install 'rlmerge[eval]'" in message
 
 
-def test_lab_tasks_alone_need_no_lm_eval(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lab_tasks_alone_need_no_lm_eval(checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "lm_eval", None)
-    result = typer_testing.CliRunner().invoke(_app(), ["eval", str(checkpoint), "--tasks", "coding", "--n", "3"])
-    assert result.exit_code == 0, result.output
-    assert "coding" in result.output and "(n=3)" in result.output
+    code, out, err = _eval(capsys, checkpoint, "--tasks", "coding", "--n", "3")
+    assert code == 0, err
+    assert "lab:coding" in out and "(n=3)" in out
 
 
 def test_unknown_task_through_the_console_entry_is_a_message_not_a_traceback(
@@ -162,7 +214,7 @@ def test_unknown_task_through_the_console_entry_is_a_message_not_a_traceback(
 
     assert main(["eval", str(checkpoint), "--tasks", "coding,chess"]) == 2
     stderr = capsys.readouterr().err
-    assert "error: --tasks:" in stderr and "'chess'" in stderr
+    assert "--tasks" in stderr and "'chess'" in stderr
     assert "Traceback" not in stderr
 
 
@@ -183,4 +235,4 @@ def test_coding_is_refused_where_code_cannot_be_isolated_unless_the_user_opts_in
     with pytest.warns(RuntimeWarning, match="WITHOUT isolation"):
         assert main(["eval", str(checkpoint), "--tasks", "coding", "--n", "2", "--json",
                      "--unsafe-unisolated-code"]) == 0
-    assert set(json.loads(capsys.readouterr().out)) == {"coding"}
+    assert set(json.loads(capsys.readouterr().out)["models"][0]["scores"]) == {"lab:coding"}

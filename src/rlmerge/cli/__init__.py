@@ -15,9 +15,10 @@ import typer
 from ..errors import Interrupted, RLMergeError
 from .console import err, escape
 from .demo import demo_command
+from .evaluate import eval_command
 from .fisher import fisher_command
 from .inspect import inspect_command
-from .lab import eval_command, lab_command
+from .lab import lab_command
 from .merge import merge_command
 from .plan import plan_command
 from .sweep import sweep_command

@@ -1,14 +1,12 @@
-"""`rlmerge lab` and `rlmerge eval` (the `lab` extra): train specialists, merge them every way, score them."""
+"""`rlmerge lab` (the `lab` extra): train specialists, merge them every way, score them."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ..io.open import checked_model_folder
 from . import options as o
 
 
@@ -109,76 +107,3 @@ def _mechanism(seed_dir: Path, out: Path, seed: int, size: str) -> None:
     plot_mechanism(results, out / "mechanism.png")
     typer.echo(table)
     typer.echo(f"\nwrote {out / 'mechanism.json'}, mechanism.md, mechanism.png in {time.time() - start:.0f} s")
-
-
-def eval_command(
-    model: Annotated[Path, typer.Argument(help="A Hugging Face causal-LM checkpoint folder.")],
-    tasks: Annotated[
-        str,
-        typer.Option(
-            help="Comma-separated tasks: the lab's tool_use,coding,memory and/or lm-eval task names "
-            "(the latter need the eval extra)."
-        ),
-    ] = "tool_use,coding,memory",
-    n: Annotated[int, typer.Option(min=1, help="Test examples per lab task.")] = 128,
-    seed: Annotated[int, typer.Option(help="Test-set seed (the lab's seed-0 test set by default).")] = 0,
-    include_path: Annotated[
-        list[Path] | None, typer.Option(help="Folder of lm-eval task YAMLs (repeatable), as lm-eval's own flag.")
-    ] = None,
-    limit: Annotated[int | None, typer.Option(min=1, help="Examples per lm-eval task (default: all).")] = None,
-    num_fewshot: Annotated[int | None, typer.Option(min=0, help="Few-shot examples for lm-eval tasks.")] = None,
-    batch_size: Annotated[int, typer.Option(min=1, help="lm-eval batch size.")] = 8,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a line per task.")] = False,
-    unsafe_unisolated_code: o.UnsafeUnisolatedCode = False,
-) -> None:
-    """Score any HF checkpoint: the lab's verifiable scorers and, with rlmerge[eval], lm-eval tasks.
-
-    Lab tasks report accuracy in %; lm-eval tasks report lm-eval's own metrics under lm-eval's names.
-    """
-    import torch
-
-    from rlmerge.lab.evaluate import load_checkpoint, score_examples
-    from rlmerge.lab.harness import UnknownTask, run_harness, split_tasks
-    from rlmerge.lab.tasks import make_family, make_split
-
-    torch.set_num_threads(1)
-    names = list(dict.fromkeys(t.strip() for t in tasks.split(",") if t.strip()))
-    if not names:
-        raise _usage_error("no task given (--tasks)")
-    try:
-        split = split_tasks(names, include_path or [])
-    except UnknownTask as err:
-        raise _usage_error(f"--tasks: {err}") from err
-    if "coding" in split.lab:  # it runs the model's programs: refused before the model is even loaded
-        from rlmerge.sandbox import allow_unisolated, ensure_isolation
-
-        if unsafe_unisolated_code:
-            allow_unisolated()
-        ensure_isolation()
-    loaded, tokenizer = load_checkpoint(checked_model_folder(model, what="eval"))  # rlmerge's input rules first
-    scores = {
-        f: 100.0 * score_examples(loaded, tokenizer, make_split(make_family(f), "test", n, seed)) for f in split.lab
-    }
-    harness = (
-        run_harness(
-            loaded,
-            tokenizer,
-            split.harness,
-            include_path=include_path or [],
-            limit=limit,
-            num_fewshot=num_fewshot,
-            batch_size=batch_size,
-            seed=seed,
-        )
-        if split.harness
-        else {}
-    )
-    if json_out:
-        typer.echo(json.dumps({**scores, **harness}))
-        return
-    for name, value in scores.items():
-        typer.echo(f"{name:10s} {value:5.1f} %  (n={n})")
-    if len(scores) > 1:
-        typer.echo(f"{'average':10s} {sum(scores.values()) / len(scores):5.1f} %")
-    for name, metrics in harness.items():
-        typer.echo(f"{name:10s} " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()) + "  (lm-eval)")

@@ -7,16 +7,19 @@ import dataclasses
 import functools
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ..methods.registry import load
 from ..params import FLAG
 from ..sandbox import UNSAFE_FLAG
+
+if TYPE_CHECKING:
+    from ..scoring import TaskScorer
 
 Models = Annotated[list[str] | None, typer.Argument(help="BASE then AGENT... (folders or hub ids)")]
 Method = Annotated[str | None, typer.Option(help=f"{', '.join(load(strict=False))} (docs/methods.md)")]
@@ -43,6 +46,39 @@ Rank = Annotated[str | None, typer.Option(help="--output-format peft: the LoRA r
                                                "(per matrix, the share of ‖Δ‖² kept)")]
 NonLinear = Annotated[str | None, typer.Option(help="--output-format peft: save (changed norms, embeddings and biases "
                                                     "go into modules_to_save, default) or refuse")]
+# The scorers' options, as `rlmerge sweep` and `rlmerge eval` take them (scoring.TaskScorer; `task_scorer` below)
+Tasks = Annotated[list[str] | None, typer.Option(
+    help="scorers, comma-separated, repeatable: lab:FAMILY, lm-eval:TASK, bfcl:CATEGORY (simple, multiple, "
+         "parallel, parallel_multiple), humaneval, py:MODULE:FUNCTION, 'cmd:COMMAND {model}' (a cmd: entry "
+         "takes the rest of its --tasks value, commas included)")]
+Limit = Annotated[int | None, typer.Option(min=1, help="examples per task (default 128)")]
+LabView = Annotated[str | None, typer.Option(help="how the model sees a lab task: word (the tiny lab's models, "
+                                                  "default) or chat (an instruct model, e.g. SmolLM2)")]
+IncludePath = Annotated[list[Path] | None, typer.Option(help="folder of lm-eval task YAMLs (repeatable)")]
+NumFewshot = Annotated[int | None, typer.Option(min=0, help="few-shot examples for lm-eval tasks")]
+BatchSize = Annotated[int | None, typer.Option(min=1, help="lm-eval batch size; prompts generated at once")]
+LmEvalBackend = Annotated[str | None, typer.Option(help="lm-eval's model: hf (in process, default) or vllm "
+                                                        "(pip install vllm; a CUDA machine)")]
+CmdTimeout = Annotated[float | None, typer.Option(help="seconds a cmd: scorer may run per model (default 3600)")]
+CmdEnv = Annotated[list[str] | None, typer.Option(help="KEY=VALUE added to a cmd: scorer's environment "
+                                                       "(repeatable)")]
+CmdCwd = Annotated[Path | None, typer.Option(help="a cmd: scorer's working folder (default: this one)")]
+
+
+def task_scorer(s: Mapping[str, Any], *, split: str) -> TaskScorer:
+    """The scorer the options in ``s`` name (the keys are the options' names; a missing one takes its default,
+    ``split`` that of the command)."""
+    from ..scoring import TaskScorer, split_task_list
+
+    values = [s["tasks"]] if isinstance(s["tasks"], str) else list(s["tasks"])
+    return TaskScorer([t for v in values for t in split_task_list(str(v))], limit=s.get("limit", 128),
+                      split=s.get("split", split), seed=s.get("seed", 0),
+                      include_path=[str(p) for p in s.get("include_path") or []], num_fewshot=s.get("num_fewshot"),
+                      batch_size=s.get("batch_size", 8), kind=s.get("lab_view", "word"),
+                      lm_eval_backend=s.get("lm_eval_backend", "hf"), cmd_timeout=s.get("cmd_timeout", 3600.0),
+                      cmd_env=s.get("cmd_env", ()), cmd_cwd=s.get("cmd_cwd"))
+
+
 UnsafeUnisolatedCode = Annotated[bool, typer.Option(
     UNSAFE_FLAG, help="where bubblewrap cannot isolate it, run model-written code (the coding scorer) WITHOUT "
                       "isolation: it can then read and write your files and reach the network. Only for models you "

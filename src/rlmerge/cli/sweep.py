@@ -40,15 +40,10 @@ def sweep_command(
                              "candidates (one scoring per input; never ranked or kept): report.md then says what "
                              "the best input scored on each task and how much of it each candidate keeps")] = False,
     recipe: Annotated[Path | None, typer.Option(help="YAML: base_model, models, candidates, and any option")] = None,
-    tasks: Annotated[list[str] | None, typer.Option(
-        help="scorers, comma-separated, repeatable: lab:FAMILY, lm-eval:TASK, bfcl:CATEGORY (simple, multiple, "
-             "parallel, parallel_multiple), humaneval, py:MODULE:FUNCTION, 'cmd:COMMAND {model}' (a cmd: entry "
-             "takes the rest of its --tasks value, commas included)")] = None,
-    limit: Annotated[int | None, typer.Option(min=1, help="examples per task (default 128)")] = None,
+    tasks: o.Tasks = None,
+    limit: o.Limit = None,
     split: Annotated[str | None, typer.Option(help="the lab tasks' split: val (default) or test")] = None,
-    lab_view: Annotated[str | None, typer.Option(help="how the model sees a lab task: word (the tiny lab's "
-                                                      "models, default) or chat (an instruct model, e.g. SmolLM2)")]
-    = None,
+    lab_view: o.LabView = None,
     keep: Annotated[int | None, typer.Option(min=0, help="write the best K candidates as checkpoints")] = None,
     backend: Annotated[str | None, typer.Option(help=escape("local, or ray (pip install 'rlmerge[ray]')"))] = None,
     workers: Annotated[int | None, typer.Option(min=1, help="Ray: candidates scored at once")] = None,
@@ -63,18 +58,13 @@ def sweep_command(
     seed: Annotated[int | None, typer.Option(help="seed of random methods (a grid may give seed=0,1)")] = None,
     allow_missing: o.AllowMissing = False,
     count_tied_twice: o.CountTiedTwice = False,
-    include_path: Annotated[list[Path] | None, typer.Option(help="folder of lm-eval task YAMLs (repeatable)")]
-    = None,
-    num_fewshot: Annotated[int | None, typer.Option(min=0, help="few-shot examples for lm-eval tasks")] = None,
-    batch_size: Annotated[int | None, typer.Option(min=1, help="lm-eval batch size; prompts generated at once")]
-    = None,
-    lm_eval_backend: Annotated[str | None, typer.Option(help="lm-eval's model: hf (in process, default) or vllm "
-                                                             "(pip install vllm; a CUDA machine)")] = None,
-    cmd_timeout: Annotated[float | None, typer.Option(help="seconds a cmd: scorer may run per candidate "
-                                                           "(default 3600)")] = None,
-    cmd_env: Annotated[list[str] | None, typer.Option(help="KEY=VALUE added to a cmd: scorer's environment "
-                                                           "(repeatable)")] = None,
-    cmd_cwd: Annotated[Path | None, typer.Option(help="a cmd: scorer's working folder (default: this one)")] = None,
+    include_path: o.IncludePath = None,
+    num_fewshot: o.NumFewshot = None,
+    batch_size: o.BatchSize = None,
+    lm_eval_backend: o.LmEvalBackend = None,
+    cmd_timeout: o.CmdTimeout = None,
+    cmd_env: o.CmdEnv = None,
+    cmd_cwd: o.CmdCwd = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="no live table")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print results.json's ranking as JSON")] = False,
     push_to_hub: o.PushToHub = None,
@@ -98,15 +88,7 @@ def sweep_command(
     base, agents, grids, s = _gather(models, recipe, candidate, {k: v for k, v in flags.items() if v is not None})
     scorer = None
     if s.get("tasks"):
-        from ..scoring import TaskScorer, split_task_list
-
-        values = [s["tasks"]] if isinstance(s["tasks"], str) else list(s["tasks"])
-        scorer = TaskScorer([t for v in values for t in split_task_list(str(v))], limit=s.get("limit", 128),
-                            split=s.get("split", "val"), seed=s.get("seed", 0),
-                            include_path=list(s.get("include_path", [])), num_fewshot=s.get("num_fewshot"),
-                            batch_size=s.get("batch_size", 8), kind=s.get("lab_view", "word"),
-                            lm_eval_backend=s.get("lm_eval_backend", "hf"), cmd_timeout=s.get("cmd_timeout", 3600.0),
-                            cmd_env=s.get("cmd_env", ()), cmd_cwd=s.get("cmd_cwd"))
+        scorer = o.task_scorer(s, split="val")
     else:
         err.print("[yellow]warning:[/] no --tasks: the candidates are merged, not scored")
     held_out = None

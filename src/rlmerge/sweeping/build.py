@@ -83,14 +83,14 @@ class Reference:
     pushed. ``id`` (``base``, ``agent1`` …) is what a command sees as ``RLMERGE_CANDIDATE`` and what results.json
     matches on ``--resume`` (with ``name``)."""
 
-    role: Literal["base", "agent"]
+    role: Literal["base", "agent", "model"]  # "model": a checkpoint ``rlmerge eval`` scores, outside a sweep
     name: str  # "base", or the agent as results.json's ``agents`` names it (its label: the path given)
     path: Path  # the input's folder (a hub id resolved)
-    index: int = 0  # the agent's position, from 1 (0: the base)
+    index: int = 0  # the agent's (or eval's model's) position, from 1 (0: the base)
 
     @property
     def id(self) -> str:
-        return "base" if self.role == "base" else f"agent{self.index}"
+        return "base" if self.role == "base" else f"{self.role}{self.index}"
 
     @property
     def label(self) -> str:

@@ -1,0 +1,107 @@
+"""`rlmerge eval`: score checkpoints on the sweep's scorers, and compare each with the first on the same examples."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ..io.open import checked_model_folder
+from . import options as o
+
+LAB_TASKS = "lab:tool_use,lab:coding,lab:memory"
+
+
+def eval_command(
+    models: Annotated[list[Path], typer.Argument(
+        help="Hugging Face checkpoint folders; with several, each is compared with the first, task by task, on "
+             "the same examples (a paired bootstrap where the scorer gives each example's result)")],
+    tasks: o.Tasks = None,
+    limit: Annotated[int | None, typer.Option("--limit", "--n", min=1, help="examples per task (default 128)")]
+    = None,
+    split: Annotated[str, typer.Option(help="the lab tasks' split: test (default) or val")] = "test",
+    seed: Annotated[int, typer.Option(help="the examples' seed (the lab's seed-0 test set by default) and the "
+                                           "bootstrap's")] = 0,
+    lab_view: o.LabView = None,
+    include_path: o.IncludePath = None,
+    num_fewshot: o.NumFewshot = None,
+    batch_size: o.BatchSize = None,
+    lm_eval_backend: o.LmEvalBackend = None,
+    cmd_timeout: o.CmdTimeout = None,
+    cmd_env: o.CmdEnv = None,
+    cmd_cwd: o.CmdCwd = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print the scores and comparisons as JSON")] = False,
+    unsafe_unisolated_code: o.UnsafeUnisolatedCode = False,
+) -> None:
+    """Score checkpoints on --tasks as a sweep scores candidates: the lab's three tasks by default; with
+    rlmerge[eval], lm-eval tasks; bfcl, humaneval, cmd and py scorers. Each score comes with its n and standard
+    error; given several checkpoints, each is compared with the first."""
+    from ..sweeping.build import Built, Reference
+
+    if unsafe_unisolated_code:
+        from ..sandbox import allow_unisolated
+
+        allow_unisolated()
+    flags = {"tasks": tasks or [LAB_TASKS], "limit": limit, "split": split, "seed": seed, "lab_view": lab_view,
+             "include_path": include_path, "num_fewshot": num_fewshot, "batch_size": batch_size,
+             "lm_eval_backend": lm_eval_backend, "cmd_timeout": cmd_timeout, "cmd_env": cmd_env,
+             "cmd_cwd": str(cmd_cwd) if cmd_cwd is not None else None}
+    # every setting is checked (and the coding scorer's isolation) before a model is read
+    scorer = o.task_scorer({k: v for k, v in flags.items() if v is not None}, split="test")
+    folders = [checked_model_folder(m, what="eval") for m in models]
+    scored = []
+    for i, (given, folder) in enumerate(zip(models, folders), start=1):
+        ref = Reference("model", str(given), folder, i)
+        config = folder / "config.json"
+        built = Built(ref, folder, None, json.loads(config.read_text()) if config.is_file() else {}, folder, None)
+        scored.append(scorer(built))
+    rows = [_row(str(m), details) for m, details in zip(models, scored)]
+    versus = [None, *(_versus(scored[0], d, seed) for d in scored[1:])]
+    if json_out:
+        typer.echo(json.dumps({"settings": scorer.settings(), "models": rows, "versus_first": versus}, indent=1))
+        return
+    _print(scorer.names, rows, versus)
+
+
+def _row(model: str, details: dict[str, Any]) -> dict[str, Any]:
+    from ..sweeping.noise import average_interval
+
+    return {"model": model, "scores": {t: s.score for t, s in details.items()},
+            "details": {t: {"n": s.n, "stderr": s.stderr} for t, s in details.items()},
+            "average": math.fsum(s.score for s in details.values()) / len(details),
+            "average_interval": average_interval(details)}
+
+
+def _versus(first: dict[str, Any], other: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Per task, and for the average over tasks, the first model's score minus ``other``'s with its 95 % interval
+    (sweeping.noise.compare: a paired bootstrap on shared examples, else normal from the standard errors)."""
+    from ..sweeping.noise import compare
+
+    out: dict[str, Any] = {t: compare({t: first[t]}, [{t: other[t]}], seed=seed)[0] for t in first if t in other}
+    out["average"] = compare(first, [other], seed=seed)[0]
+    return out
+
+
+def _print(tasks: list[str], rows: list[dict[str, Any]], versus: list[dict[str, Any] | None]) -> None:
+    """Per task, each model's score ± its 95 % half-width (n), and the first's lead over it with its interval."""
+    from ..sweeping.noise import Z95
+
+    for task in [*tasks, "average"]:
+        typer.echo(task)
+        for row, vs in zip(rows, versus):
+            if task == "average":
+                iv = row["average_interval"]
+                text = f"{row['average']:.2f}" + (f" ± {iv['high'] - row['average']:.2f}" if iv else "")
+            else:
+                d = row["details"][task]
+                text = f"{row['scores'][task]:.2f}" + (f" ± {Z95 * d['stderr']:.2f}" if d["stderr"] is not None
+                                                         else "")
+                text += f"  (n={d['n']})" if d["n"] is not None else ""
+            c = vs.get(task) if vs else None
+            if c is not None:
+                text += (f"   first − this: {c['difference']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}] "
+                         f"({c['how']}{', cannot tell apart' if c['indistinguishable'] else ''})")
+            typer.echo(f"  {row['model']}: {text}")
