@@ -201,6 +201,31 @@ def test_cli_references_score_the_inputs_with_the_labs_own_scorer(tmp_path: Path
     assert load_sweep_recipe(recipe).settings["references"] is True
 
 
+def test_an_agent_saved_without_tokenizer_files_is_scored_with_the_bases(tmp_path: Path, capsys) -> None:
+    """RL checkpoints are often saved without tokenizer files; the merge writes the base's, and --references now
+    scores such an agent with the base's too (it failed with "no tokenizer files"). Oracle: the lab's scorer on the
+    agent's weights with the base's tokenizer, loaded directly; the record says whose tokenizer it read."""
+    pytest.importorskip("transformers")
+    from rlmerge.cli import main
+    from rlmerge.io.tokenizer import TOKENIZER_FILES
+    from rlmerge.lab.evaluate import load_checkpoint, score_examples
+    from rlmerge.lab.tasks import make_family, make_split
+
+    base, agents = lab_checkpoints(tmp_path / "in")
+    for name in TOKENIZER_FILES:
+        (agents[1] / name).unlink(missing_ok=True)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(base), *map(str, agents), "-o", str(out), "--candidate", "task_arithmetic scaling=1",
+                 "--tasks", "lab:tool_use", "--limit", "3", "--references", "-q"]) == 0
+    capsys.readouterr()
+    refs = {r["id"]: r for r in _doc(out)["references"]}
+    assert refs["agent2"].get("error") is None and refs["agent2"]["tokenizer"] == str(base)
+    assert "tokenizer" not in refs["agent1"] and "tokenizer" not in refs["base"]
+    model, tok = load_checkpoint(agents[1], base)
+    want = 100.0 * score_examples(model, tok, make_split(make_family("tool_use"), "val", 3, 0))
+    assert refs["agent2"]["scores"]["lab:tool_use"] == pytest.approx(want, abs=1e-9)
+
+
 def test_confirm_scores_the_references_on_the_held_out_split_once(example, tmp_path: Path) -> None:
     base, agents = example
     out = tmp_path / "sweep"

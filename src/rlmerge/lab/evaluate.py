@@ -67,13 +67,15 @@ def score_examples(
     return sum(scores) / len(scores)
 
 
-def load_checkpoint(path: Path | str) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """Load any HF causal-LM checkpoint for scoring, upcast to float32 (CPU bf16 matmuls are slow)."""
+def load_checkpoint(path: Path | str, tokenizer_dir: Path | str | None = None
+                    ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """Load any HF causal-LM checkpoint for scoring, upcast to float32 (CPU bf16 matmuls are slow); its tokenizer
+    from ``tokenizer_dir`` when given (an RL checkpoint saved without one: the base's)."""
     # Progress bars for loading a 1 MB model are noise in a 30-checkpoint run (and corrupt --json output).
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
-    return model, load_tokenizer(path)
+    return model, load_tokenizer(path if tokenizer_dir is None else tokenizer_dir)
 
 
 def score_checkpoint_each(

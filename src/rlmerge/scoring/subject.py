@@ -26,8 +26,8 @@ def load_model(built: Built) -> tuple[Any, Any]:
     from ..lab.evaluate import load_checkpoint
     from ..lab.tokenizer import load_tokenizer
 
-    if built.path is not None:
-        return load_checkpoint(built.path)
+    if built.path is not None:  # (a reference without tokenizer files: side_dir is the base's folder)
+        return load_checkpoint(built.path, built.side_dir)
     assert built.tensors is not None  # built in memory
     config = AutoConfig.from_pretrained(built.side_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -87,6 +87,9 @@ class Reference:
     name: str  # "base", or the agent as results.json's ``agents`` names it (its label: the path given)
     path: Path  # the input's folder (a hub id resolved)
     index: int = 0  # the agent's (or eval's model's) position, from 1 (0: the base)
+    # where its tokenizer is read when its folder has none (an RL checkpoint saved without one): the base's folder,
+    # the tokenizer a merge of it writes by default; None: its own
+    tokenizer: Path | None = None
 
     @property
     def id(self) -> str:
@@ -97,7 +100,8 @@ class Reference:
         return "base" if self.role == "base" else self.name
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "name": self.name, "role": self.role, "path": str(self.path)}
+        out = {"id": self.id, "name": self.name, "role": self.role, "path": str(self.path)}
+        return out if self.tokenizer is None else {**out, "tokenizer": str(self.tokenizer)}
 
 
 def score_reference(ref: Reference, scorer: Scorer) -> Scored:
@@ -105,7 +109,7 @@ def score_reference(ref: Reference, scorer: Scorer) -> Scored:
     (``Scored.error``), as a candidate's."""
     config_file = ref.path / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    built = Built(ref, ref.path, None, config, ref.path, None)
+    built = Built(ref, ref.path, None, config, ref.tokenizer or ref.path, None)
     t0 = time.perf_counter()
     details: dict[str, TaskScore] = {}
     error = None
