@@ -66,3 +66,22 @@ def test_uneven_run_beside_table1_with_agents_intervals_and_stage_times(tmp_path
     assert "| RAM − Task arithmetic | +25.0, +0.0, +25.0 | +16.7 |" in text  # over seeds, with its t-interval
     assert "| 1 | coding | 8e-05 × 24 | graded | 10.0 | 40.0 | 1.50 | 1.150 | 50.0 → 50.0 |" in text
     assert "| agent coding | 100 / 90 | 100 / 90 | 100 / 90 |" in text and "| total | 150 / 130 |" in text
+
+
+def test_uneven_run_of_one_seed_bootstraps_each_specialist_on_its_own_task(tmp_path: Path) -> None:
+    """With one seed there is no interval over seeds: each specialist − base on its own task gets the paired
+    bootstrap over that task's test examples (oracle: bootstrap_difference on that family alone)."""
+    from rlmerge.lab.paired import bootstrap_difference
+    from rlmerge.lab.writeup import uneven
+
+    s = _seed(0, 1.0)
+    s["examples"]["Specialist: memory"]["memory"] = [1.0, 1.0, 1.0, 1.0]  # 100 against the base's 50
+    s["scores"]["Specialist: memory"]["memory"] = 1.0
+    for f in FAMILIES:
+        s["task_vectors"]["agents"][f] |= {"rho": 1.5, "lambda_paper": 1.15}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"seeds": [s]}))
+    text = uneven(path)
+    d, lo, hi = bootstrap_difference({"memory": [1.0] * 4}, {"memory": [1.0, 0.0, 1.0, 0.0]}, seed=0)
+    assert (d, lo) == (50.0, 0.0)  # two of four examples gained: the low end can be no gain at all
+    assert f"| Specialist: memory − Base, on memory | +50.0 | +50.0 | [{lo:+.1f}, {hi:+.1f}] |" in text

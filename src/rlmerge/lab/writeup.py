@@ -235,6 +235,10 @@ def uneven(file: Path) -> str:
     boot = {s["seed"]: [{"pair": f"{a} − {b}", "diffs": [d], "mean": d, "low": lo, "high": hi}
                         for a, b in PAIRS if a in s["examples"] and b in s["examples"]
                         for d, lo, hi in [bootstrap_difference(s["examples"][a], s["examples"][b], seed=s["seed"])]]
+            + [{"pair": f"Specialist: {f} − Base, on {f}", "diffs": [d], "mean": d, "low": lo, "high": hi}
+               for f in FAMILIES if f"Specialist: {f}" in s["examples"] and "Base" in s["examples"]
+               for d, lo, hi in [bootstrap_difference({f: s["examples"][f"Specialist: {f}"][f]},
+                                                      {f: s["examples"]["Base"][f]}, seed=s["seed"])]]
             for s in seeds}
     n = len(seeds)
     parts = [
