@@ -41,7 +41,7 @@ from ..io.partial import PartialDir
 from ..io.vocab import VOCAB_SUFFIXES
 from ..io.writer import SideFiles
 from ..stream.match import Job
-from .budget import FAST_BASELINE, TORCH_LOADED, MemoryEstimate
+from .budget import TORCH_LOADED, MemoryEstimate
 
 PREFIX = "base_model.model."
 NON_LINEAR = ("save", "refuse")
@@ -384,9 +384,9 @@ def with_adapter(memory: MemoryEstimate, match: Any, ranks: Ranks) -> MemoryEsti
     """The merge's estimate (``route``) with the adapter writer's share on top: its matrices (``adapter_memory``)
     and torch, which the factorization needs, where the merge's path runs without it (the numba path over
     inputs viewed in place)."""
-    torch_too = TORCH_LOADED if memory.baseline == FAST_BASELINE else 0
+    torch_too = 0 if memory.torch else TORCH_LOADED
     return dataclasses.replace(memory, work=memory.work + adapter_memory(match, ranks),
-                               baseline=memory.baseline + torch_too)
+                               baseline=memory.baseline + torch_too, torch=True)
 
 
 def widen_to_f32(match: Any) -> tuple[dict[str, DType], list[Any]]:

@@ -53,6 +53,7 @@ class MemoryEstimate:
     work: int  # bytes: per-block temporaries
     baseline: int  # bytes: the interpreter and libraries
     mapped: int  # bytes of memory-mapped .bin inputs (file-backed, reclaimable; not in ``total``)
+    torch: bool = True  # whether ``baseline`` counts torch (False: the numba path over inputs viewed in place)
 
     @property
     def total(self) -> int:
@@ -103,13 +104,12 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     itemsize = max((t.dtype.itemsize for m in models for t in m.tensors.values()), default=4)
     out = max((j.out_dtype.itemsize for j in match.merge_jobs), default=4)
     buffers = b * ((n + 1) * itemsize + out)
-    baseline = FAST_BASELINE
-    if not all(m.viewable for m in models):  # every block is copied (engine/fast.FastPath.blocks) …
-        # … the agents as float32 τ beside the base in float32 with a LoRA adapter
+    copied = not all(m.viewable for m in models)  # every block is copied (engine/fast.FastPath.blocks) …
+    if copied:  # … the agents as float32 τ beside the base in float32 with a LoRA adapter, by readers that load torch
         buffers += 2 * b * (itemsize + (4 * n + 4 if reads_tau(match) else n * itemsize))
-        baseline += TORCH_LOADED
     hist = compute_threads() * 8 * math.prod(hist_shape(min(n, 8)))
-    return MemoryEstimate(b, buffers, hist + mask_bytes, baseline, _mapped(models))
+    return MemoryEstimate(b, buffers, hist + mask_bytes, FAST_BASELINE + (TORCH_LOADED if copied else 0),
+                          _mapped(models), torch=copied)
 
 
 def available_memory() -> int | None:
