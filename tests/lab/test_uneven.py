@@ -3,6 +3,7 @@ training prompts disjoint from the test split, and a pipeline that resumes stage
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import replace
@@ -292,6 +293,25 @@ def test_finished_merge_rows_are_skipped_until_their_inputs_change(
     _fake_agent(agents[0], {"train_seconds": 2.0})  # the tool agent retrained: every row is stale
     run()
     assert calls[2:] == ["Task arithmetic", "Average"]
+
+
+def test_a_row_of_one_point_records_no_validation_score(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grid of one point is merged, not scored (nothing to pick): its record says None, not an average of 0."""
+    from rlmerge.lab.grid import CandidateScore
+
+    def fake_sweep(base: Any, agents: Any, method: str, candidates: Any, *args: Any, **kw: Any) -> list:
+        if len(candidates) == 1:
+            return [CandidateScore(dict(candidates[0]), {}, {}, tmp_path / "best-1", 0)]
+        return [CandidateScore(dict(c), {"lab:memory": 50.0 + i}, {}, tmp_path / "best-1" if i == 1 else None,
+                               1 - i) for i, c in enumerate(candidates)]
+
+    monkeypatch.setattr(pipeline, "evaluate_candidates", fake_sweep)
+    size = SIZES["smoke"]
+    one = pipeline._run_plan(MethodPlan("Average", "linear"), size, tmp_path, [], tmp_path, 0, {}, None)[1]
+    assert one["validation"] == [{"params": {}, "val_average": None}]
+    two = pipeline._run_plan(MethodPlan("Task arithmetic", "task_arithmetic", {"scaling": [1.0, 2.0]}),
+                             dataclasses.replace(size, max_grid=2), tmp_path, [], tmp_path, 0, {}, None)[1]
+    assert [v["val_average"] for v in two["validation"]] == [0.5, 0.51] and two["params"] == {"scaling": 2.0}
 
 
 def test_fingerprint_follows_the_markers(tmp_path: Path) -> None:

@@ -158,8 +158,8 @@ def _run_plan(
         "note": _note(chosen.params, chosen.info),
         "position": grid_position({k: v for k, v in plan.grid.items()}, chosen.params),
         "grid_points": len(candidates),
-        # accuracy 0..1 as before the sweep (whose lab scores are in %)
-        "validation": [{"params": c.params, "val_average": c.val_average / 100.0} for c in results],
+        # accuracy 0..1 as before the sweep (whose lab scores are in %); None: a grid of one point is not scored
+        "validation": [{"params": c.params, "val_average": c.val_average / 100.0 if c.val else None} for c in results],
     }
 
 
