@@ -1,9 +1,8 @@
-"""`rlmerge eval`'s door to lm-evaluation-harness (the `eval` extra): any lm-eval task next to the lab's own.
-
-A `--tasks` list may mix the lab's families (scored by `rlmerge.lab.evaluate`) with lm-eval task names,
-built-in or defined by YAML files in an `--include-path` folder. The checkpoint is loaded once, by the
-lab's loader (which keeps a checkpoint's own word-level tokenizer intact, see `rlmerge.lab.tokenizer`),
-and handed to lm-eval as a model object, so lm-eval never resolves a hub name or a tokenizer class itself.
+"""The door to lm-evaluation-harness (the `eval` extra) for the `lm-eval:` scorer (`rlmerge.scoring.lmeval`), which
+`rlmerge sweep` and `rlmerge eval` share: task names checked (`split_tasks`: built-in, or YAML files in an
+`--include-path` folder) and lm-eval's run (`evaluate`). The model is loaded by the lab's loader (which keeps a
+checkpoint's own word-level tokenizer intact, see `rlmerge.lab.tokenizer`) and handed to lm-eval as a model object,
+so lm-eval never resolves a hub name or a tokenizer class itself.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from rlmerge.lab.tasks import FAMILIES
 
@@ -92,37 +89,6 @@ def split_tasks(names: Sequence[str], include_path: Sequence[Path] = ()) -> Task
 
 def _builtin_names() -> set[str]:
     return set(_task_manager(()).all_tasks)
-
-
-def run_harness(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    tasks: Sequence[str],
-    *,
-    include_path: Sequence[Path] = (),
-    limit: int | None = None,
-    num_fewshot: int | None = None,
-    batch_size: int = 8,
-    seed: int = 0,
-) -> dict[str, dict[str, float]]:
-    """Evaluate a loaded model on lm-eval tasks. Returns task → {metric: value}, as lm-eval reports them.
-
-    Metric names keep lm-eval's filter suffix ("acc,none", "exact_match,strict-match"); values are
-    lm-eval's own (a fraction for accuracy), not converted. Example:
-
-        >>> model, tok = load_checkpoint("lab-output/seed0/base")          # doctest: +SKIP
-        >>> run_harness(model, tok, ["my_task"], include_path=[Path("tasks/")])  # doctest: +SKIP
-        {'my_task': {'acc,none': 0.4, 'acc_stderr,none': 0.24}}
-    """
-    _import_lm_eval()
-    from lm_eval.models.huggingface import HFLM
-
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    results = evaluate(lm, tasks, include_path=include_path, limit=limit, num_fewshot=num_fewshot, seed=seed)
-    out: dict[str, dict[str, float]] = {}
-    for task, metrics in results["results"].items():
-        out[task] = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and k != "sample_len"}
-    return out
 
 
 def evaluate(
