@@ -161,7 +161,7 @@ class SelectBackend:
             assert name is not None
             self.obs.gathered(name, *self._gather.parts(name))
             self._gather = None
-            return self._again(name, ended=True)
+            return False  # the selection is over
         if sel.round == 0:
             counts = self.hist0.sum(axis=(0, 2))  # [N, BINS[0] + 1]: threads and sub-histograms added
             self.hist0[:] = 0
@@ -174,11 +174,10 @@ class SelectBackend:
         self._numel = 0
         return self._again(name)
 
-    def _again(self, name: str | None, ended: bool = False) -> bool:
-        """The observer's ``again`` (``ended``: the selection was ended by gathering). When another round is wanted
-        and the queries' bins are small enough, it gathers them instead (a per-tensor selection: its last read; a
-        whole-model one keeps its rounds)."""
-        more = False if ended else self.obs.again(name)
+    def _again(self, name: str | None) -> bool:
+        """The observer's ``again``. When another round is wanted and the queries' bins are small enough, it gathers
+        them instead (a per-tensor selection: its last read; a whole-model one keeps its rounds)."""
+        more = self.obs.again(name)
         sel = self.obs.selection
         if more and name is not None and sel is not None and not self.obs.needs_l1:
             self._gather = _Gather.of(sel.in_bin, self.fast.threads)
@@ -218,13 +217,11 @@ class SelectBackend:
         """All reads of one job (``reads(job)`` times its blocks): thresholds, then the fused merge."""
         reads = self._reads[job.name]
         own = self.obs.selects(job.name, job.numel)
-        window, cache = None, self.run.cache
+        cache = self.run.cache
         if not self.whole_model:
             self.obs.begin_tensor(job.name, job.numel)  # its ranks and default window
-            window = self.obs.cached_window(cache, job.name) if own and cache is not None else None
-        if cache is not None and window is not None:  # selected by an earlier merge of these inputs
-            self.obs.recall(cache, job.name)
-            own = False
+            if own and cache is not None and self.obs.recall(cache, job.name):  # selected by an earlier merge
+                own = False
         selecting = reads > 1 and self._cached_round0(job) is not False
         for read, start, stop, slot, base, agents in job_reads(self.fast, self._blocks, job, reads, ts,
                                                                self.stats_args):
@@ -243,7 +240,8 @@ class SelectBackend:
             if cut is not None and not cut.done:
                 _feed_cut(self.fast, cut, start, base, agents)
             merged = self.fast.out_view(slot, job, stop - start)
-            self._merge(job, start, base, agents, merged, self.no_cut if cut is None else cut.cut)
+            cuts = cut.cut if cut is not None else self.obs.cuts_of(job.name)  # (a recalled one: cuts_of)
+            self._merge(job, start, base, agents, merged, self.no_cut if cuts is None else cuts)
             write_slot(out, slot, merged, bar)
             if stop == job.numel and own and cache is not None:  # selected (and cut) by this merge: kept
                 self.obs.remember(cache, job.name)

@@ -283,30 +283,27 @@ class GtaObserver(Observer):
         return None if c is None else np.asarray(c, dtype=np.int64)
 
     def remember(self, cache: Entries, name: str) -> None:
-        """Keep tensor ``name``'s selection in ``cache`` once it is merged (the numba path, which selects while
-        merging): its window, what the trim kept and, with exact k, its tie cut (``cut`` there)."""
-        if not self._cacheable:
-            return
-        key = self.selection_key()
-        cache.put("bounds", key, name, np.asarray(self.window(name), dtype=np.float32))
-        if name in self.kept:
-            cache.put("kept", key, name, np.asarray(self.kept[name], dtype=np.int64))
-        if self.exact:
-            cut = self.cut.cut if self.cut is not None else self.cuts.get(name, np.full(self.n, NO_CUT))
-            cache.put("cuts", key, name, np.asarray(cut, dtype=np.int64))
+        """Keep tensor ``name``'s selection in ``cache`` once it is merged (the numba path, which selects and cuts
+        while merging): its cut is kept as the torch path's cut stream keeps it (``again``), then ``keep``."""
+        if self.cut is not None:
+            self.cuts[name] = self.cut.cut
+        self.keep(cache, [name])
 
-    def recall(self, cache: Entries, name: str) -> None:
-        """Tensor ``name``'s selection from ``cache`` (``remember``; ``cached_window`` said it is there): the numba
-        path then merges it in one read."""
-        self.bounds[name] = self.cached_window(cache, name)  # type: ignore[assignment]
+    def recall(self, cache: Entries, name: str) -> bool:
+        """Tensor ``name``'s selection from ``cache`` (what ``keep`` put there): its window, what the trim kept and,
+        with exact k, its tie cut (``cuts_of``); False when the cache holds no window usable for it."""
+        w = self.cached_window(cache, name)
+        if w is None:
+            return False
+        self.bounds[name] = w
         cache.used("bounds")
-        k = cache.get("kept", self.selection_key(), name)
-        if k is not None:
-            self.kept[name] = np.asarray(k, dtype=np.int64)
         c = self.cached_cut(cache, name)
         if c is not None:
-            self.cut = TieCut(np.zeros(self.n, dtype=np.float32), np.full(self.n, -1, dtype=np.int64))
-            self.cut.cut[:] = c
+            self.cuts[name] = c
+        k = cache.get("kept", self.selection_key(), name)
+        if k is not None:  # what the trim kept: the merge's `kept` column
+            self.kept[name] = np.asarray(k, dtype=np.int64)
+        return True
 
     @property
     def _cacheable(self) -> bool:
@@ -320,26 +317,17 @@ class GtaObserver(Observer):
 
     def reuse(self, cache: Entries, names: Sequence[str]) -> None:
         for name in ("", *names):
-            w = self.cached_window(cache, name)
-            if w is not None:
-                self.bounds[name] = w
-                cache.used("bounds")
-                c = self.cached_cut(cache, name)
-                if c is not None:
-                    self.cuts[name] = c
-                k = cache.get("kept", self.selection_key(), name)
-                if k is not None:  # what the trim kept: the merge's `kept` column
-                    self.kept[name] = np.asarray(k, dtype=np.int64)
+            self.recall(cache, name)
 
-    def keep(self, cache: Entries) -> None:
-        if self._cacheable:
-            key = self.selection_key()
-            for name, w in self.bounds.items():
-                cache.put("bounds", key, name, np.asarray(w, dtype=np.float32))
-            for name, k in self.kept.items():
-                cache.put("kept", key, name, np.asarray(k, dtype=np.int64))
-            for name, c in self.cuts.items():
-                cache.put("cuts", key, name, np.asarray(c, dtype=np.int64))
+    def keep(self, cache: Entries, names: Sequence[str] | None = None) -> None:
+        """What was selected, into ``cache``: every tensor's (after a statistics pass), or ``names``' (``remember``)."""
+        if not self._cacheable:
+            return
+        key = self.selection_key()
+        for kind, table, dtype in (("bounds", self.bounds, np.float32), ("kept", self.kept, np.int64),
+                                   ("cuts", self.cuts, np.int64)):
+            for name in table if names is None else [n for n in names if n in table]:
+                cache.put(kind, key, name, np.asarray(table[name], dtype=dtype))
 
     def absorb(self, other: Observer) -> None:
         if isinstance(other, GtaObserver):
