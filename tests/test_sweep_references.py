@@ -214,6 +214,8 @@ def test_an_agent_saved_without_tokenizer_files_is_scored_with_the_bases(tmp_pat
     base, agents = lab_checkpoints(tmp_path / "in")
     for name in TOKENIZER_FILES:
         (agents[1] / name).unlink(missing_ok=True)
+    # a file that names special tokens but builds no tokenizer: still read with the base's (the loader's rule)
+    (agents[1] / "special_tokens_map.json").write_text('{"eos_token": "<eos>"}')
     out = tmp_path / "sweep"
     assert main(["sweep", str(base), *map(str, agents), "-o", str(out), "--candidate", "task_arithmetic scaling=1",
                  "--tasks", "lab:tool_use", "--limit", "3", "--references", "-q"]) == 0

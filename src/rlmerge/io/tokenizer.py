@@ -36,6 +36,14 @@ ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 BYTES_ONLY = ("merges.txt", "tokenizer.model")  # compared as bytes: rlmerge does not parse them
 ADDED_FLAGS = ("special", "lstrip", "rstrip", "normalized", "single_word")
 SHOWN = 5  # tokens listed in a difference; the count says how many more
+# the files a tokenizer is built from (fast JSON, its config, SentencePiece, BPE vocabulary): a folder with none of
+# them loads an empty one from config.json alone
+LOADABLE = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def loadable_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds a file a tokenizer can be built from (``LOADABLE``)."""
+    return any((folder / name).is_file() for name in LOADABLE)
 
 
 @dataclass

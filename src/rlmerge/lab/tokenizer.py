@@ -16,12 +16,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from rlmerge.errors import InputError
+from rlmerge.io.tokenizer import LOADABLE, loadable_tokenizer
 from rlmerge.lab.tasks import FAMILIES, make_family
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-# One of these makes a folder's tokenizer (fast JSON, its config, SentencePiece, BPE vocabulary)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 SPLIT_PATTERN = r" ?[A-Za-z_]+| ?\d| ?[^\w\s]|\s"
 
 
@@ -50,9 +49,9 @@ def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
     its tokenizer.json; any other checkpoint goes through AutoTokenizer as usual.
     """
     folder = Path(path)
-    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if folder.is_dir() and not loadable_tokenizer(folder):
         # AutoTokenizer would build an empty one from config.json alone: every prompt encodes to nothing
-        raise InputError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)})", file=str(folder),
+        raise InputError(f"no tokenizer files ({', '.join(LOADABLE)})", file=str(folder),
                          hint="copy the base model's tokenizer files into it (rlmerge copies the base's into "
                               "every merge it writes)")
     config_file = folder / "tokenizer_config.json"

@@ -207,13 +207,12 @@ def _references(pf: Preflight) -> list[Reference]:
     from ..io.verl import VerlCheckpoint
 
     assert pf.base is not None and pf.match is not None
-    from ..io.tokenizer import TOKENIZER_FILES
+    from ..io.tokenizer import loadable_tokenizer
 
-    def tokenizer(folder: Path) -> Path | None:  # an agent saved without tokenizer files is read with the base's
-        return None if any((folder / n).is_file() for n in TOKENIZER_FILES) else pf.base.path  # type: ignore[union-attr]
-
-    inputs = [Reference("base", "base", pf.base.path), *(Reference("agent", a.label, a.path, i, tokenizer(a.path))
-                                                        for i, a in enumerate(pf.match.agents, 1))]
+    base = pf.base.path  # an agent saved without tokenizer files is read with the base's tokenizer
+    inputs = [Reference("base", "base", base),
+              *(Reference("agent", a.label, a.path, i, None if loadable_tokenizer(a.path) else base)
+                for i, a in enumerate(pf.match.agents, 1))]
     how = {LoraAdapter: ("a LoRA adapter", "merge the adapter into its base with PEFT (merge_and_unload(), then "
                                            "save_pretrained) and give that folder as the agent"),
            VerlCheckpoint: ("a verl actor folder", "convert it with verl's model_merger (python -m verl.model_merger "
