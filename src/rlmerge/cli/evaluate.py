@@ -39,7 +39,7 @@ def eval_command(
     """Score checkpoints on --tasks as a sweep scores candidates: the lab's three tasks by default; with
     rlmerge[eval], lm-eval tasks; bfcl, humaneval, cmd and py scorers. Each score comes with its n and standard
     error; given several checkpoints, each is compared with the first."""
-    from ..sweeping.build import Built, Reference
+    from ..sweeping.build import Reference
 
     if unsafe_unisolated_code:
         from ..sandbox import allow_unisolated
@@ -52,12 +52,8 @@ def eval_command(
     # every setting is checked (and the coding scorer's isolation) before a model is read
     scorer = o.task_scorer({k: v for k, v in flags.items() if v is not None}, split="test")
     folders = [checked_model_folder(m, what="eval") for m in models]
-    scored = []
-    for i, (given, folder) in enumerate(zip(models, folders), start=1):
-        ref = Reference("model", str(given), folder, i)
-        config = folder / "config.json"
-        built = Built(ref, folder, None, json.loads(config.read_text()) if config.is_file() else {}, folder, None)
-        scored.append(scorer(built))
+    scored = [scorer(Reference("model", str(given), folder, i).built())
+              for i, (given, folder) in enumerate(zip(models, folders), start=1)]
     rows = [_row(str(m), details) for m, details in zip(models, scored)]
     versus = [None, *(_versus(scored[0], d, seed) for d in scored[1:])]
     if json_out:

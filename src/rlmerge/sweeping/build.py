@@ -103,13 +103,17 @@ class Reference:
         out = {"id": self.id, "name": self.name, "role": self.role, "path": str(self.path)}
         return out if self.tokenizer is None else {**out, "tokenizer": str(self.tokenizer)}
 
+    def built(self) -> Built:
+        """This input as the scorers get it: a candidate built on disk whose folder is its own."""
+        config_file = self.path / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return Built(self, self.path, None, config, self.tokenizer or self.path, None)
+
 
 def score_reference(ref: Reference, scorer: Scorer) -> Scored:
     """Score input ``ref`` as it is, through the path of a candidate built on disk; a scorer failure is its outcome
     (``Scored.error``), as a candidate's."""
-    config_file = ref.path / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    built = Built(ref, ref.path, None, config, ref.tokenizer or ref.path, None)
+    built = ref.built()
     t0 = time.perf_counter()
     details: dict[str, TaskScore] = {}
     error = None
