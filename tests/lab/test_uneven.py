@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -262,6 +263,60 @@ def test_agents_are_reused_only_with_the_settings_they_were_trained_with(
         _fake_agent(legacy / f, {"train_seconds": 3.0})
     pipeline.train_agents(changed, tmp_path / "base", legacy, 0, pipeline.SeedResult(0))
     assert len(trained) == 4
+
+
+def test_an_agent_that_does_not_beat_the_base_on_validation_is_trained_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gate: each run scored on its family's validation split against the base; a failed run is replaced by
+    one with the next training seed, at most `agent_attempts` runs, and a resumed run goes on where it stopped."""
+    trained: list[tuple[str, int]] = []
+    scored: list[str] = []
+    passes = {("tool_use", 0), ("coding", 1)}  # memory never passes
+
+    def fake_train(base: Path, fam: str, out: Path, settings: GRPOSettings, **kw: Any) -> dict[str, Any]:
+        trained.append((fam, kw["attempt"]))
+        out.mkdir(parents=True)
+        return {"train_seconds": 1.0, "rewards": [0.1 * kw["attempt"]], "density_by_step": [1.0]}
+
+    def fake_score(path: Path, sets: dict[str, list[Any]], kind: str) -> dict[str, list[float]]:
+        ((fam, examples),) = sets.items()
+        assert examples == held_out_split(fam, "val", 4, 0, 6)  # the seed's validation split, disjoint from test
+        marker = json.loads((Path(path) / pipeline.DONE).read_text())
+        scored.append(Path(path).name)
+        learned = (fam, marker.get("attempt")) in passes  # the base's marker has no attempt
+        return {fam: [1.0, 1.0, 1.0, 0.0] if learned else [1.0, 1.0, 0.0, 0.0]}
+
+    monkeypatch.setattr(pipeline, "train_agent", fake_train)
+    monkeypatch.setattr(pipeline, "score_checkpoint_each", fake_score)
+    _fake_agent(tmp_path / "base", {"train_seconds": 0.0})
+    size = replace(_small_uneven(), agent_attempts=3)
+    res = pipeline.SeedResult(0)
+    agents = pipeline.train_agents(size, tmp_path / "base", tmp_path / "agents", 0, res)
+    assert trained == [("tool_use", 0), ("coding", 0), ("coding", 1), ("memory", 0), ("memory", 1), ("memory", 2)]
+    coding = res.training["coding"]
+    assert coding["attempt"] == 1 and coding["gate"]["passed"] and coding["gate"]["agent"] == 0.75
+    assert [f["attempt"] for f in coding["failed_attempts"]] == [0]
+    assert coding["failed_attempts"][0]["gate"] == {**coding["failed_attempts"][0]["gate"], "agent": 0.5,
+                                                    "base": 0.5, "passed": False}
+    assert json.loads((agents[1] / pipeline.DONE).read_text())["attempt"] == 1
+    assert not res.training["memory"]["gate"]["passed"] and len(res.training["memory"]["failed_attempts"]) == 2
+    assert any("memory" in w for w in res.warnings) and not any("coding" in w for w in res.warnings)
+    assert res.stages["agent coding failed runs"]["wall_s"] >= 0
+
+    n = len(scored)  # a rerun reuses every agent and every gate score
+    again = pipeline.SeedResult(0)
+    pipeline.train_agents(size, tmp_path / "base", tmp_path / "agents", 0, again)
+    assert len(trained) == 6 and len(scored) == n and again.training["coding"]["attempt"] == 1
+    assert len(again.training["memory"]["failed_attempts"]) == 2
+
+    shutil.rmtree(agents[2])  # memory's third run interrupted: the rerun trains that run, not the first
+    pipeline.train_agents(size, tmp_path / "base", tmp_path / "agents", 0, pipeline.SeedResult(0))
+    assert trained[6:] == [("memory", 2)]
+
+    ungated = tmp_path / "ungated"  # agent_attempts 1: no validation scores, one run each
+    pipeline.train_agents(_small_uneven(), tmp_path / "base", ungated, 0, pipeline.SeedResult(0))
+    assert [a for _, a in trained[7:]] == [0, 0, 0] and not list(ungated.glob("*.gate.json"))
 
 
 def test_finished_merge_rows_are_skipped_until_their_inputs_change(

@@ -38,6 +38,7 @@ Precision = Literal["fp32-master", "bf16-pure"]
 # (only a verified answer earns anything); graded: the family's finer partial credit where it has one (tool
 # use: per argument), for a skill the policy's samples rarely get whole.
 Reward = Literal["shaped", "strict", "graded"]
+ATTEMPT_SEED_STRIDE = 1000  # training seed of a retrained agent: seed + stride × attempt
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,13 @@ def train_agent(
     seed: int = 0,
     kind: Kind = "word",
     disjoint_from_test: int = 0,
+    attempt: int = 0,
 ) -> dict[str, float]:
     """GRPO-train a copy of the base on one family and save it in bf16. Returns timing and reward stats.
 
     `disjoint_from_test` > 0: no training prompt is one of the seed's first that many test prompts.
+    `attempt` k > 0 trains again on the same prompts with another training seed (seed + 1000·k: the prompt
+    order and the policy's samples differ), for an agent whose first run did not learn (the lab's gate).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tokenizer = load_tokenizer(base_dir)
@@ -168,7 +172,7 @@ def train_agent(
         logging_steps=max(1, settings.steps // 5),
         save_strategy="no",
         report_to="none",
-        seed=seed,
+        seed=seed + ATTEMPT_SEED_STRIDE * attempt,
         disable_tqdm=True,
         dataloader_pin_memory=False,
     )

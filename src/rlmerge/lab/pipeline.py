@@ -202,7 +202,38 @@ def _stale(done: dict[str, Any], wanted: dict[str, Any]) -> bool:
     return "settings" in done and any(done.get(k) != v for k, v in wanted.items())
 
 
+def _gate(size: LabSize, base: Path, agent: Path, fam: str, seed: int) -> dict[str, Any]:
+    """Base and agent scored on the agent's own family's validation split (a saved stage beside the agent,
+    keyed by both checkpoints): `passed` when the agent's accuracy is above the base's."""
+    sets = {fam: held_out_split(fam, "val", size.n_val, seed, size.disjoint_from_test)}
+
+    def score() -> dict[str, Any]:
+        base_each, agent_each = (score_checkpoint_each(p, sets, size.kind)[fam] for p in (base, agent))
+        return {"base": sum(base_each) / len(base_each), "agent": sum(agent_each) / len(agent_each),
+                "n": len(agent_each)}
+
+    key = {"base": fingerprint([base], DONE), "agent": fingerprint([agent], DONE), "kind": size.kind,
+           "examples": examples_digest(sets)}
+    record = run_stage(agent.parent / f"{fam}.gate.json", key, score, _log)
+    return {**record["result"], "passed": record["result"]["agent"] > record["result"]["base"],
+            "wall_s": record["wall_s"], "cpu_s": record["cpu_s"]}
+
+
+def _failed_attempts(path: Path, wanted: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs of an agent that did not pass the gate so far, when they were trained with `wanted` settings."""
+    if not path.is_file():
+        return []
+    record = json.loads(path.read_text())
+    return record["failed"] if record.get("settings") == json.loads(json.dumps(wanted)) else []
+
+
 def train_agents(size: LabSize, base: Path, out: Path, seed: int, res: SeedResult) -> list[Path]:
+    """Each family's agent: reused when its folder holds a finished marker with the size's settings, else
+    trained. With `size.agent_attempts` > 1 an agent must beat the base on its family's validation split (the
+    gate, test examples untouched); one that does not is deleted and trained again with the next training seed
+    (`train_agent(attempt=k)`), at most that many runs, the last kept with a warning. The failed runs (their
+    gate scores, rewards, times) are kept in `<fam>.attempts.json` beside the folder, so a resumed run goes on
+    from the next attempt, and reported in `res.training[fam]["failed_attempts"]`."""
     agents: list[Path] = []
     for fam in FAMILIES:
         t = time.time()
@@ -211,22 +242,51 @@ def train_agents(size: LabSize, base: Path, out: Path, seed: int, res: SeedResul
         if done is not None and _stale(done, wanted):
             _log(f"seed {seed}: agent '{fam}' in {out / fam} was trained with other settings; training it again")
             done = None
-        if done is None and (out / fam).exists():
-            # an interrupted or outdated training: inside the lab's own --out (workdir.claim), written here
-            shutil.rmtree(out / fam)
-        if done is not None:
-            _log(f"seed {seed}: GRPO agent '{fam}' reused from {out / fam}")
-            res.training[fam] = done
-        else:
-            g = size.grpo_for(fam)
-            _log(f"seed {seed}: GRPO agent '{fam}' ({g.steps} steps, lr {g.lr}, {g.precision}, {g.reward} reward)")
-            clock = Clock()
-            info = train_agent(base, fam, out / fam, g, seed=seed, kind=size.kind,
-                               disjoint_from_test=size.disjoint_from_test)
-            shutil.rmtree(out / fam / "_trainer", ignore_errors=True)
-            res.training[fam] = _finish(out / fam, {**info, **wanted, **clock.elapsed()})
+        history = out / f"{fam}.attempts.json"
+        failed = _failed_attempts(history, wanted)
+        reused = done is not None
+        while True:
+            if done is None and (out / fam).exists():
+                # an interrupted, outdated or failed training: inside the lab's own --out (workdir.claim)
+                shutil.rmtree(out / fam)
+            if done is not None:
+                _log(f"seed {seed}: GRPO agent '{fam}' reused from {out / fam}")
+            else:
+                g = size.grpo_for(fam)
+                again = f", attempt {len(failed) + 1} of {size.agent_attempts}" if failed else ""
+                _log(f"seed {seed}: GRPO agent '{fam}' ({g.steps} steps, lr {g.lr}, {g.precision}, {g.reward} "
+                     f"reward{again})")
+                clock = Clock()
+                info = train_agent(base, fam, out / fam, g, seed=seed, kind=size.kind,
+                                   disjoint_from_test=size.disjoint_from_test, attempt=len(failed))
+                shutil.rmtree(out / fam / "_trainer", ignore_errors=True)
+                done = _finish(out / fam, {**info, **wanted, "attempt": len(failed), **clock.elapsed()})
+            if size.agent_attempts <= 1:
+                break
+            gate = _gate(size, base, out / fam, fam, seed)
+            done = {**done, "gate": gate}
+            if gate["passed"]:
+                break
+            verdict = (f"{100 * gate['agent']:.1f} % against the base's {100 * gate['base']:.1f} % on {gate['n']} "
+                       "validation examples")
+            if len(failed) + 1 >= size.agent_attempts:
+                res.warnings.append(f"specialist {fam}: every one of {size.agent_attempts} runs failed the gate; "
+                                    "the last is kept")
+                _log(f"seed {seed}: WARNING agent '{fam}' {verdict}, run {len(failed) + 1} of "
+                     f"{size.agent_attempts}: kept")
+                break
+            _log(f"seed {seed}: agent '{fam}' {verdict}: training it again with another seed")
+            failed.append({"attempt": len(failed), **{k: done.get(k) for k in ("gate", "rewards", "density_by_step",
+                                                                             "wall_s", "cpu_s")}})
+            write_json(history, {"settings": wanted, "failed": failed})
+            done, reused = None, False
+        res.training[fam] = {**done, "failed_attempts": failed}
         res.timings[f"grpo_{fam}"] = time.time() - t
-        _timed(res, f"agent {fam}", {"reused": done is not None, **res.training[fam]})
+        _timed(res, f"agent {fam}", {"reused": reused, **done})
+        if failed:
+            res.stages[f"agent {fam} failed runs"] = {"wall_s": sum(f["wall_s"] or 0.0 for f in failed),
+                                                      "cpu_s": sum(f["cpu_s"] or 0.0 for f in failed),
+                                                      "reused": reused}
         agents.append(out / fam)
     return agents
 

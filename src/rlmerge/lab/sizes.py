@@ -33,6 +33,9 @@ class LabSize:
     # Validation and training prompts avoid the seed's test prompts (coding repeats prompts otherwise).
     disjoint: bool = False
     keep_merges: bool = True  # False: a row's chosen merge is deleted once its scores are saved (disk)
+    # > 1: each trained agent must beat the base on its own family's validation split (n_val examples), else it
+    # is trained again with another training seed, at most this many runs in all (pipeline.train_agents)
+    agent_attempts: int = 1
 
     def grpo_for(self, family: str) -> GRPOSettings:
         return self.agent_grpo.get(family, self.grpo)
@@ -91,6 +94,9 @@ SIZES: dict[str, LabSize] = {
         },
         disjoint=True,
         keep_merges=False,
+        # seed 1's first coding and memory runs collapsed (test 39 -> 13 % and 72 -> 7 %) where seed 0's learned:
+        # at these lr a run can lock onto a wrong answer within a few steps (docs/lab.md, section 3b)
+        agent_attempts=3,
     ),
 }
 

@@ -187,18 +187,29 @@ def beside_table1(seeds: Sequence[dict[str, Any]]) -> str:
 
 
 def agents_table(seeds: Sequence[dict[str, Any]], settings: dict[str, dict[str, Any]]) -> str:
-    """Per seed and agent: lr × steps, reward, density, unique share, ρ, λ at the paper's defaults, own-task gain."""
-    lines = ["| seed | agent | lr × steps | reward | density (%) | unique share (%) | ρ | λ (r 0.1, α 2) "
-             "| own task: base → specialist (%) |", "|---|---|---|---|---|---|---|---|---|"]
+    """Per seed and agent: lr × steps, reward, runs trained (the gate), density, unique share, ρ, λ at the paper's
+    defaults, own-task gain."""
+    lines = ["| seed | agent | lr × steps | reward | runs (gate on validation: base → agent, %) | density (%) "
+             "| unique share (%) | ρ | λ (r 0.1, α 2) | own task: base → specialist (%) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in seeds:
         for f in FAMILIES:
             a, g = s["task_vectors"]["agents"][f], s["training"][f].get("settings", settings.get(f, {}))
             lam = f"{a['lambda_paper']:.3f}" if "lambda_paper" in a else "–"
             gain = f"{100 * s['scores']['Base'][f]:.1f} → {100 * s['scores'][f'Specialist: {f}'][f]:.1f}"
             regime = f"{g.get('lr', 0):g} × {g.get('steps', 0)} | {g.get('reward', 'shaped')}"
+            regime += f" | {_runs(s['training'][f])}"
             lines.append(f"| {s['seed']} | {f} | {regime} | {a['density_pct']:.1f} | {a['unique_share_pct']:.1f} "
                          f"| {a['rho']:.2f} | {lam} | {gain} |")
     return "\n".join(lines)
+
+
+def _runs(training: dict[str, Any]) -> str:
+    """How many runs an agent took and each run's gate scores ("1" for a run without the gate)."""
+    gates = [f.get("gate") for f in training.get("failed_attempts", [])] + [training.get("gate")]
+    if gates[-1] is None:
+        return str(len(gates))
+    return f"{len(gates)} (" + "; ".join(f"{100 * g['base']:.1f} → {100 * g['agent']:.1f}" for g in gates if g) + ")"
 
 
 def stage_times(seeds: Sequence[dict[str, Any]]) -> str:
