@@ -4,6 +4,7 @@
     python benchmarks/run.py --size 1.5b --methods ram,ram+ --no-mergekit
     python benchmarks/run.py --size 7b --layers 4 --no-mergekit  # the 7B shape, trimmed
     python benchmarks/run.py --size 7b --methods ram+ --no-mergekit --out-dir /dev/shm/rlbench  # full 7B
+    sudo python benchmarks/run.py --size 7b --layers 9 --methods ram+,ties --no-mergekit --cold  # cold reads
 
 Each merge runs as a child process; its peak RSS comes from GNU time (``%M``). ``wall`` is the child's whole life
 (interpreter start and imports included) and is what × mergekit compares; ``merge s`` is the time inside
@@ -16,6 +17,10 @@ mergekit runs in two numeric settings, side by side (``--mergekit-settings``): `
 recipe most users write: mergekit computes in bf16) and ``fp32`` (``dtype: float32, out_dtype: bfloat16``,
 rlmerge's numeric policy). The machine's free memory (MemAvailable) and load are printed at the start and the
 end: mergekit holds whole tensors of every model and slows down on a machine short of free memory.
+
+``--cold`` (root: it writes /proc/sys/vm/drop_caches) empties the page cache before the floor's read and before
+every child instead of warming it, so every input is read from the disk once more: the floor is then a cold read
+of every input plus a write of the output with its fsync (rlmerge fsyncs), and × floor compares with that.
 """
 
 from __future__ import annotations
@@ -74,11 +79,25 @@ CASES: dict[str, Case] = {
 
 
 WARM: list[Path] = []  # the inputs, read before every child: each starts with them in the page cache
+COLD = [False]  # --cold: every child (and the floor) starts with an empty page cache instead
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_caches() -> None:
+    """Write back what is dirty, then empty the page cache (every input is then read from the disk)."""
+    os.sync()
+    try:
+        DROP_CACHES.write_text("3\n")
+    except OSError as e:
+        raise SystemExit(f"--cold: cannot write {DROP_CACHES} ({e}); run as root, or leave out --cold") from e
 
 
 def warm_cache() -> None:
     """Read every input once, untimed: a previous child (mergekit takes up to 14 GB) may have pushed them out
-    of the page cache, and the floor, like every timed run, reads them from it."""
+    of the page cache, and the floor, like every timed run, reads them from it. With --cold: empty it instead."""
+    if COLD[0]:
+        drop_caches()
+        return
     buf = memoryview(bytearray(64 << 20))
     for f in WARM:
         fd = os.open(f, os.O_RDONLY)
@@ -126,7 +145,10 @@ def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, floa
             os.close(fd)
         return time.perf_counter() - t0
 
-    read_all()  # warm the page cache, as every merge after the first finds it
+    if COLD[0]:
+        drop_caches()
+    else:
+        read_all()  # warm the page cache, as every merge after the first finds it
     read = read_all()
     os.sync()
     t0 = time.perf_counter()
@@ -225,6 +247,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per rlmerge row; the median is reported")
     ap.add_argument("--no-fsync", action="store_true",
                     help="rlmerge leaves its output to the OS to write back, as mergekit does (merge(fsync=False))")
+    ap.add_argument("--cold", action="store_true",
+                    help="empty the page cache (root) before the floor and every merge: cold reads, the floor's "
+                         "write counted with its fsync")
     ap.add_argument("--torch-path", action="store_true",
                     help="also time each method on the torch kernels (RLMERGE_FAST=0): the before/after")
     args = ap.parse_args()
@@ -245,9 +270,11 @@ def main() -> None:
     in_bytes, out_bytes = sum(f.stat().st_size for f in inputs), inputs[0].stat().st_size
     args.out_dir = args.out_dir or args.workdir
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    COLD[0] = args.cold
     read_s, write_s, durable_s = floor(inputs, out_bytes, args.out_dir / "floor.tmp")
-    floor_s = read_s + write_s
-    print(f"floor: read {in_bytes / 1e9:.2f} GB in {read_s:.2f} s + write {out_bytes / 1e9:.2f} GB in "
+    floor_s = read_s + (durable_s if args.cold else write_s)
+    print(f"floor{' (cold: read from the disk, write + fsync)' if args.cold else ''}: "
+          f"read {in_bytes / 1e9:.2f} GB in {read_s:.2f} s + write {out_bytes / 1e9:.2f} GB in "
           f"{write_s:.2f} s = {floor_s:.2f} s (write + fsync: {durable_s:.2f} s)", flush=True)
     mk_bin = args.mergekit / "bin" / "mergekit-yaml"
     use_mk = not args.no_mergekit and mk_bin.is_file()
@@ -265,7 +292,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"set": tag, "machine": machine(), "floor_s": floor_s, "read_s": read_s,
                                          "write_s": write_s,
-                                         "write_fsync_s": durable_s, "fsync": not args.no_fsync, "rows": rows},
+                                         "write_fsync_s": durable_s, "fsync": not args.no_fsync, "cold": args.cold,
+                                         "rows": rows},
                                         indent=2))
 
 

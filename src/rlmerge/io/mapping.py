@@ -74,6 +74,19 @@ class Mapped:
                              hint="another program changed it; let it finish, then merge again")
         return np.frombuffer(mm, dtype=info.dtype.np_storage, count=stop - start, offset=lo)
 
+    @staticmethod
+    def prefetch(ckpt: Checkpoint, name: str, start: int, stop: int) -> None:
+        """Start reading the bytes of elements [start, stop) of ``name`` into the page cache, without waiting for
+        them: ``posix_fadvise(WILLNEED)`` on the file, which needs no mapping and releases the GIL, so a helper
+        thread can ask while the blocks before are computed (on a cold file the call itself takes a while: it
+        allocates the pages, reclaiming others, and queues the reads). Advice only: nothing is raised."""
+        info: TensorInfo = ckpt.tensors[name]
+        if not ckpt.viewable or stop <= start or not hasattr(os, "posix_fadvise"):
+            return
+        size = info.dtype.itemsize
+        with contextlib.suppress(OSError, InputError), ckpt.fd(info.file) as fd:
+            os.posix_fadvise(fd, info.offset + start * size, (stop - start) * size, os.POSIX_FADV_WILLNEED)
+
     def advise(self, ckpt: Checkpoint, name: str, start: int, stop: int, advice: int) -> None:
         """madvise the pages of elements [start, stop) of ``name`` (whole pages inside the mapping); DONTNEED
         takes every folio those pages may sit in (a page re-faulted later is read from the page cache again)."""

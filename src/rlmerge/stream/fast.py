@@ -20,7 +20,7 @@ from .._threads import Workers
 from .._torch import torch
 from ..errors import ConfigError
 from ..io.dtypes import BF16, F32
-from ..io.mapping import DONTNEED, WILLNEED, Mapped
+from ..io.mapping import DONTNEED, Mapped
 from ..io.writer import CheckpointWriter
 from ..methods.rule import Program
 from ..stats import Statistics, TensorStats, check_finite
@@ -29,6 +29,7 @@ from .match import Job, Match
 
 STORED = {BF16: np.uint16, F32: np.float32}  # dtypes the kernels decode and encode
 ALIGN_MAX = 1 << 20  # elements: a row-cut block may grow to lcm(row, TILE) up to this (see row_step)
+AHEAD = 2  # blocks whose pages are requested ahead of the one computed (FastPath.blocks)
 
 
 def enabled(device: str) -> bool:
@@ -139,6 +140,7 @@ class FastPath:
         self.tau = reads_tau(match)  # every agent's τ is read into the blocks, in float32 (_read)
         self._compute = Workers(self.threads, "rlmerge-compute")
         self._reader = Workers(1, "rlmerge-read")
+        self._ahead = Workers(1, "rlmerge-readahead")  # page-cache requests for the blocks ahead (_prefetch)
 
     @property
     def tau_arg(self) -> bool | None:
@@ -154,6 +156,7 @@ class FastPath:
         """Stop the threads and drop the mappings (``abort``: an interrupted run; see rlmerge._threads)."""
         ended = self._compute.close(abort=abort)
         ended = self._reader.close(abort=abort) and ended
+        ended = self._ahead.close(abort=abort) and ended
         if ended:  # a call still running may read the mapped files: they then go with the process
             self.mapped.close()
 
@@ -187,22 +190,31 @@ class FastPath:
             return None
         return views[0], tuple(views[1:])  # type: ignore[return-value]
 
-    def _advise(self, job: Job, start: int, stop: int, advice: int) -> None:
-        if advice:
+    def _release(self, job: Job, start: int, stop: int) -> None:
+        """A computed block's pages out of this process's mappings (they stay in the page cache)."""
+        if DONTNEED:
             for m in (self.match.base, *self.match.agents):
-                self.mapped.advise(m, job.name, start, stop, advice)
+                self.mapped.advise(m, job.name, start, stop, DONTNEED)
+
+    def _prefetch(self, job: Job, start: int, stop: int) -> None:
+        """Ask for a block's bytes ahead, on the readahead thread (Mapped.prefetch): the main thread, which sets up
+        every block, does not wait for it."""
+        for m in (self.match.base, *self.match.agents):
+            self._ahead.submit(self.mapped.prefetch, m, job.name, start, stop)
 
     def blocks(self, jobs: list[Job], passes: Callable[[Job], int] | None = None,
                ) -> Iterator[tuple[Job, int, int, _Slot, np.ndarray, tuple[np.ndarray, ...]]]:
         """Every block of ``jobs`` in order (each job's blocks ``passes(job)`` times over).
 
         A block's agents come as a tuple of [n] views of the mapped files; a tensor that cannot be viewed in
-        place is copied into a slot by the reader thread while the previous block is computed. The next
-        block's pages are requested ahead, a finished block's pages are released.
+        place is copied into a slot by the reader thread while the previous block is computed. The pages of the
+        next AHEAD blocks are requested by the readahead thread, a finished block's pages are released.
         """
         spans = [(j, s, min(s + self.step(j), j.numel)) for j in jobs for _ in range(passes(j) if passes else 1)
                  for s in range(0, j.numel, self.step(j))]
         pending: Future[tuple[np.ndarray, np.ndarray]] | None = None
+        for span in spans[1:AHEAD]:
+            self._prefetch(*span)
         for k, (job, start, stop) in enumerate(spans):
             slot = self.slots[k % 2]
             if slot.written is not None:  # its output buffer must be written before it is reused
@@ -214,16 +226,17 @@ class FastPath:
                 base, agents = pending.result()
                 views = (base, tuple(agents))
             pending = None
+            if k + AHEAD < len(spans):
+                self._prefetch(*spans[k + AHEAD])
             if k + 1 < len(spans):
                 nxt = spans[k + 1]
-                self._advise(*nxt, WILLNEED)
                 if self._views(*nxt) is None:  # a copy: read it while this block is computed
                     pending = self._reader.submit(self._read, self.slots[(k + 1) % 2], *nxt)
             if self.on_read is not None:
                 self.on_read((stop - start) * sum(m.tensors[job.name].dtype.itemsize  # stored bytes (τ: more)
                                                   for m in (self.match.base, *self.match.agents)))
             yield job, start, stop, slot, views[0], views[1]
-            self._advise(job, start, stop, DONTNEED)
+            self._release(job, start, stop)
 
     # -- computing -------------------------------------------------------------------------------------
     def run(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, args: RuleArgs,
