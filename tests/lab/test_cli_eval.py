@@ -133,6 +133,29 @@ def test_a_command_scores_each_model_in_its_folder(checkpoint: Path, other: Path
     assert [r["scores"]["files"] for r in rows] == [float(len(list(p.iterdir()))) for p in (checkpoint, other)]
 
 
+def test_a_model_without_tokenizer_files_is_scored_with_the_given_tokenizer(
+        checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An RL checkpoint saved without its tokenizer: refused with a hint, then scored with --tokenizer's, which gives
+    the scores of the same weights beside their own tokenizer (oracle: the complete folder)."""
+    import shutil
+
+    from rlmerge.io.tokenizer import LOADABLE
+
+    bare = tmp_path / "bare"
+    shutil.copytree(checkpoint, bare)
+    for name in LOADABLE:
+        (bare / name).unlink(missing_ok=True)
+    code, _, err = _eval(capsys, bare, "--tasks", "memory", "--n", "6")
+    assert code != 0 and "no tokenizer files" in err and "--tokenizer" in err
+    code, out, err = _eval(capsys, checkpoint, bare, "--tasks", "memory", "--n", "6", "--tokenizer", checkpoint,
+                           "--json")
+    assert code == 0, err
+    whole, borrowed = json.loads(out)["models"]
+    assert borrowed["scores"] == whole["scores"]
+    code, _, err = _eval(capsys, bare, "--tasks", "memory", "--n", "6", "--tokenizer", tmp_path / "nowhere")
+    assert code != 0 and "no tokenizer files" in err and "nowhere" in err
+
+
 def test_eval_refuses_an_unknown_task(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _eval(capsys, checkpoint, "--tasks", "lab:chess")
     assert code == 2

@@ -9,7 +9,9 @@ from typing import Annotated, Any
 
 import typer
 
+from ..errors import InputError
 from ..io.open import checked_model_folder
+from ..io.tokenizer import LOADABLE, loadable_tokenizer
 from . import options as o
 
 LAB_TASKS = "lab:tool_use,lab:coding,lab:memory"
@@ -33,6 +35,9 @@ def eval_command(
     cmd_timeout: o.CmdTimeout = None,
     cmd_env: o.CmdEnv = None,
     cmd_cwd: o.CmdCwd = None,
+    tokenizer: Annotated[Path | None, typer.Option(
+        "--tokenizer", help="a folder whose tokenizer scores the models saved without one (an RL checkpoint often "
+                            "is): usually the base model's; a model with its own tokenizer files keeps them")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the scores and comparisons as JSON")] = False,
     unsafe_unisolated_code: o.UnsafeUnisolatedCode = False,
 ) -> None:
@@ -52,7 +57,9 @@ def eval_command(
     # every setting is checked (and the coding scorer's isolation) before a model is read
     scorer = o.task_scorer({k: v for k, v in flags.items() if v is not None}, split="test")
     folders = [checked_model_folder(m, what="eval") for m in models]
-    scored = [scorer(Reference("model", str(given), folder, i).built())
+    borrowed = _tokenizer_folder(tokenizer) if tokenizer is not None else None
+    scored = [scorer(Reference("model", str(given), folder, i,
+                               None if loadable_tokenizer(folder) else borrowed).built())
               for i, (given, folder) in enumerate(zip(models, folders), start=1)]
     rows = [_row(str(m), details) for m, details in zip(models, scored)]
     versus = [None, *(_versus(scored[0], d, seed) for d in scored[1:])]
@@ -60,6 +67,15 @@ def eval_command(
         typer.echo(json.dumps({"settings": scorer.settings(), "models": rows, "versus_first": versus}, indent=1))
         return
     _print(scorer.names, rows, versus)
+
+
+def _tokenizer_folder(path: Path) -> Path:
+    """--tokenizer's folder (a local folder: weights are not needed), refused unless it holds tokenizer files."""
+    folder = Path(path)
+    if not folder.is_dir() or not loadable_tokenizer(folder):
+        raise InputError(f"no tokenizer files ({', '.join(LOADABLE)})", file=str(folder),
+                         hint="give --tokenizer the folder of the model whose tokenizer the checkpoints use (the base)")
+    return folder
 
 
 def _row(model: str, details: dict[str, Any]) -> dict[str, Any]:

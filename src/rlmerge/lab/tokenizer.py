@@ -53,7 +53,7 @@ def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
         # AutoTokenizer would build an empty one from config.json alone: every prompt encodes to nothing
         raise InputError(f"no tokenizer files ({', '.join(LOADABLE)})", file=str(folder),
                          hint="copy the base model's tokenizer files into it (rlmerge copies the base's into "
-                              "every merge it writes)")
+                              "every merge it writes), or give rlmerge eval --tokenizer BASE_DIR")
     config_file = folder / "tokenizer_config.json"
     declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
     if declared in GENERIC_CLASSES:
