@@ -65,8 +65,8 @@ def plot(scores: Scores, path: Path, title: str) -> None:
     ax.set_xticklabels(rows, rotation=40, ha="right", fontsize=8)
     ax.set_ylabel("test accuracy (%)")
     ax.set_ylim(0, 100)
-    ax.set_title(title)
-    ax.legend(fontsize=8, ncols=len(cols))
+    ax.set_title(title, pad=24)  # room for the legend between the title and the bars
+    ax.legend(fontsize=8, ncols=len(cols), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
