@@ -302,13 +302,13 @@ def test_an_agent_that_does_not_beat_the_base_on_validation_is_trained_again(
     assert json.loads((agents[1] / pipeline.DONE).read_text())["attempt"] == 1
     assert not res.training["memory"]["gate"]["passed"] and len(res.training["memory"]["failed_attempts"]) == 2
     assert any("memory" in w for w in res.warnings) and not any("coding" in w for w in res.warnings)
-    assert res.stages["agent coding failed runs"]["wall_s"] >= 0
+    assert res.stages["agent coding failed runs"]["wall_s"] >= 0 and not res.stages["gate coding"]["reused"]
 
     n = len(scored)  # a rerun reuses every agent and every gate score
     again = pipeline.SeedResult(0)
     pipeline.train_agents(size, tmp_path / "base", tmp_path / "agents", 0, again)
     assert len(trained) == 6 and len(scored) == n and again.training["coding"]["attempt"] == 1
-    assert len(again.training["memory"]["failed_attempts"]) == 2
+    assert len(again.training["memory"]["failed_attempts"]) == 2 and again.stages["gate coding"]["reused"]
 
     shutil.rmtree(agents[2])  # memory's third run interrupted: the rerun trains that run, not the first
     pipeline.train_agents(size, tmp_path / "base", tmp_path / "agents", 0, pipeline.SeedResult(0))

@@ -216,7 +216,7 @@ def _gate(size: LabSize, base: Path, agent: Path, fam: str, seed: int) -> dict[s
            "examples": examples_digest(sets)}
     record = run_stage(agent.parent / f"{fam}.gate.json", key, score, _log)
     return {**record["result"], "passed": record["result"]["agent"] > record["result"]["base"],
-            "wall_s": record["wall_s"], "cpu_s": record["cpu_s"]}
+            **{k: record[k] for k in ("wall_s", "cpu_s", "reused")}}
 
 
 def _failed_attempts(path: Path, wanted: dict[str, Any]) -> list[dict[str, Any]]:
@@ -264,6 +264,7 @@ def train_agents(size: LabSize, base: Path, out: Path, seed: int, res: SeedResul
             if size.agent_attempts <= 1:
                 break
             gate = _gate(size, base, out / fam, fam, seed)
+            _timed(res, f"gate {fam}", gate)  # the last run's; a failed run's are in its record
             done = {**done, "gate": gate}
             if gate["passed"]:
                 break
