@@ -369,8 +369,15 @@ def print_table(rows: list[dict], floor_s: float, tag: str, settings: list[str])
     """wall: the process's life; + sync: what it left for the disk to write; × mergekit: mergekit's wall against
     rlmerge's (mergekit leaves its output in the page cache), and with both outputs on disk (wall + sync each),
     one group of columns per mergekit numeric setting, side by side."""
+    # The floor's write moves with the kernel's dirty-page throttling (0.25–3.0 s for the same gigabyte in one
+    # afternoon, docs/benchmarks.md); a merge against task arithmetic in the same run, which reads and writes the
+    # same bytes, holds still: what a method's own kernels add.
+    ta = next((r["merge_s"] for r in rows if r["method"] == "task_arithmetic"), None)
     head = f"| method ({tag}) | wall s | + sync s | merge s | peak RSS GB | × floor ({floor_s:.2f} s) |"
     rule = "|---|---:|---:|---:|---:|---:|"
+    if ta is not None:
+        head += " × task_arithmetic (merge s) |"
+        rule += "---:|"
     if settings:
         head += " mergekit |"
         rule += "---|"
@@ -382,6 +389,8 @@ def print_table(rows: list[dict], floor_s: float, tag: str, settings: list[str])
     for r in rows:
         line = (f"| {r['method']} | {r['wall_s']:.1f} | {r['sync_s']:.1f} | {r['merge_s']:.1f} | {r['rss_gb']:.2f} | "
                 f"{r['x_floor']:.1f}× |")
+        if ta is not None:
+            line += f" {r['merge_s'] / ta:.2f}× |"
         if settings:
             line += f" {r.get('mk_method', '—')} |"
         for st in settings:
