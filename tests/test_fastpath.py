@@ -322,3 +322,53 @@ def test_released_blocks_leave_no_mapped_pages_behind(tmp_path: Path) -> None:
     fast.close()
     for m in models:
         m.close()
+
+
+def test_the_blocks_ahead_are_requested_before_they_are_computed(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The readahead thread is asked for the next AHEAD blocks of every model before the current block is handed
+    out, and for nothing further ahead; posix_fadvise gets the block's byte range in its file."""
+    import os
+    import threading
+
+    from rlmerge.io.mapping import Mapped
+    from rlmerge.io.open import open_all
+    from rlmerge.stream.match import match_models
+    from rlmerge.synthetic import Shape
+
+    shape = Shape("qwen2", vocab=512, hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128, tie=True)
+    base, agents = make_example(tmp_path / "in", shape=shape)
+    models = open_all([base, *agents])
+    plan = match_models(models[0], models[1:])
+    asked: list[tuple[str, str, int, int]] = []
+    lock = threading.Lock()
+
+    def spy(ckpt, name, start, stop):  # type: ignore[no-untyped-def]
+        with lock:
+            asked.append((str(ckpt.path), name, start, stop))
+
+    monkeypatch.setattr(Mapped, "prefetch", staticmethod(spy))
+    fast = fastpath.FastPath(plan, 4096)
+    job = max(plan.merge_jobs, key=lambda j: j.numel)  # several blocks
+    spans = [(job.name, s, min(s + fast.step(job), job.numel)) for s in range(0, job.numel, fast.step(job))]
+    assert len(spans) >= 4
+    for k, (bjob, start, stop, *_rest) in enumerate(fast.blocks([job])):
+        fast._ahead.submit(lambda: None).result()  # the requests made so far have run
+        with lock:
+            seen = {(n, s, e) for _, n, s, e in asked}
+            per_model = {p for p, *_ in asked}
+        assert (bjob.name, start, stop) == spans[k]
+        assert set(spans[k + 1: k + 1 + fastpath.AHEAD]) <= seen  # what comes next was asked for
+        assert seen <= set(spans[1: k + 1 + fastpath.AHEAD])  # and nothing further ahead
+        assert per_model == {str(m.path) for m in models}
+    assert {(n, s, e) for _, n, s, e in asked} == set(spans[1:])  # the first block is read at once
+    fast.close()
+
+    calls: list[tuple[int, int, int]] = []  # the real prefetch: the tensor's bytes in its file
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, length, advice: calls.append((off, length, advice)))
+    info = models[0].tensors[job.name]
+    Mapped.prefetch(models[0], job.name, 10, 30)
+    assert calls == [(info.offset + 10 * info.dtype.itemsize, 20 * info.dtype.itemsize, os.POSIX_FADV_WILLNEED)]
+    for m in models:
+        m.close()
