@@ -282,7 +282,16 @@ def main() -> None:
     for k in sorted(set(args.methods.split(",")) - set(keys)):
         print(f"skip {k}: rlmerge has no method {CASES[k].rlmerge!r} yet", flush=True)
     warm_up([CASES[k] for k in keys], args.workdir)
-    rows = [bench_case(k, CASES[k], base, agents, args, floor_s, mk_bin if use_mk else None) for k in keys]
+    rows = []
+    for i, k in enumerate(keys):
+        rows.append(bench_case(k, CASES[k], base, agents, args, floor_s, mk_bin if use_mk else None))
+        # a mergekit output no later row compares with goes now: kept to the end they took 18 GB at 0.5B and
+        # filled the disk (2026-12-05), and would take 15 GB each at 7B
+        later = {mergekit_config(CASES[j], base, agents, st) for j in keys[i + 1:] if CASES[j].mergekit is not None
+                 for st in args.mk_settings}
+        for text, (theirs, *_) in MK_DONE.items():
+            if text not in later:
+                shutil.rmtree(theirs, ignore_errors=True)
     if args.torch_path:
         rows += [bench_case(k, CASES[k], base, agents, args, floor_s, None, torch_path=True) for k in keys]
     for theirs, *_ in MK_DONE.values():
