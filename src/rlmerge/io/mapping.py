@@ -87,19 +87,18 @@ class Mapped:
         with contextlib.suppress(OSError, InputError), ckpt.fd(info.file) as fd:
             os.posix_fadvise(fd, info.offset + start * size, (stop - start) * size, os.POSIX_FADV_WILLNEED)
 
-    def advise(self, ckpt: Checkpoint, name: str, start: int, stop: int, advice: int) -> None:
-        """madvise the pages of elements [start, stop) of ``name`` (whole pages inside the mapping); DONTNEED
-        takes every folio those pages may sit in (a page re-faulted later is read from the page cache again)."""
+    def release(self, ckpt: Checkpoint, name: str, start: int, stop: int) -> None:
+        """Hand back the pages of elements [start, stop) of ``name``: ``MADV_DONTNEED`` on every folio those pages
+        may sit in (a page re-faulted later is read from the page cache again). Advice only: nothing is raised."""
         info: TensorInfo = ckpt.tensors[name]
         got = self._maps.get(info.file)
-        if got is None or not hasattr(got[0], "madvise"):
+        if not DONTNEED or got is None or not hasattr(got[0], "madvise"):
             return
-        unit = FOLIO if advice == DONTNEED else PAGE
-        lo = (info.offset + start * info.dtype.itemsize) // unit * unit
-        hi = min(got[1], -(-(info.offset + stop * info.dtype.itemsize) // unit) * unit)
+        lo = (info.offset + start * info.dtype.itemsize) // FOLIO * FOLIO
+        hi = min(got[1], -(-(info.offset + stop * info.dtype.itemsize) // FOLIO) * FOLIO)
         if hi > lo:
-            with contextlib.suppress(OSError):  # advice only
-                got[0].madvise(advice, lo, hi - lo)
+            with contextlib.suppress(OSError):
+                got[0].madvise(DONTNEED, lo, hi - lo)
 
     def close(self) -> None:
         for mm, _ in self._maps.values():
@@ -108,5 +107,4 @@ class Mapped:
         self._maps.clear()
 
 
-WILLNEED = getattr(mmap, "MADV_WILLNEED", 0)
 DONTNEED = getattr(mmap, "MADV_DONTNEED", 0)

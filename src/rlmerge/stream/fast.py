@@ -20,7 +20,7 @@ from .._threads import Workers
 from .._torch import torch
 from ..errors import ConfigError
 from ..io.dtypes import BF16, F32
-from ..io.mapping import DONTNEED, Mapped
+from ..io.mapping import Mapped
 from ..io.writer import CheckpointWriter
 from ..methods.rule import Program
 from ..stats import Statistics, TensorStats, check_finite
@@ -192,9 +192,8 @@ class FastPath:
 
     def _release(self, job: Job, start: int, stop: int) -> None:
         """A computed block's pages out of this process's mappings (they stay in the page cache)."""
-        if DONTNEED:
-            for m in (self.match.base, *self.match.agents):
-                self.mapped.advise(m, job.name, start, stop, DONTNEED)
+        for m in (self.match.base, *self.match.agents):
+            self.mapped.release(m, job.name, start, stop)
 
     def _prefetch(self, job: Job, start: int, stop: int) -> None:
         """Ask for a block's bytes ahead, on the readahead thread (Mapped.prefetch): the main thread, which sets up
