@@ -1,0 +1,75 @@
+"""Where a fast-path merge spends its compute: each numba kernel's time summed over its calls, in a whole merge.
+
+Every entry point of the engine's fused kernel and of the sparsify family's kernels is wrapped by a timer (wall time
+of each call on its compute thread, summed over threads: with two compute threads, up to twice the merge's wall
+time), the merge is run ``--repeat`` times in this process (the first also loads or compiles the kernels), and the
+sums of each run are printed beside its wall time. Main-thread work between kernels (sampling, page releases,
+Python) is what the wall time has beyond them. docs/benchmarks.md quotes it.
+
+    PYTHONPATH=src python benchmarks/merge_kernels.py /work/bench-data/redesign/0.5b --method ties \\
+        --params '{"density": 0.5}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import rlmerge
+import rlmerge.kernels as engine_kernels
+from rlmerge.methods.sparsify import kernels as family_kernels
+
+AGENTS = ("coder", "tool-use", "memory")  # a set benchmarks/run.py made
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("set", type=Path, help="a benchmark set (base/ and the agents' folders)")
+    ap.add_argument("--method", default="ties")
+    ap.add_argument("--params", default="{}", help="the method's parameters as JSON")
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    spent: dict[str, float] = collections.defaultdict(float)
+    calls: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+
+    def timed(module: object, name: str) -> None:
+        kernel = getattr(module, name)
+
+        def run(*a: object) -> object:
+            t = time.perf_counter()
+            try:
+                return kernel(*a)
+            finally:
+                with lock:
+                    spent[name] += time.perf_counter() - t
+                    calls[name] += 1
+
+        setattr(module, name, run)
+
+    timed(engine_kernels, "fused_range")
+    for name in family_kernels._ENTRIES:
+        timed(family_kernels, name)
+    agents = [args.set / a for a in AGENTS]
+    with tempfile.TemporaryDirectory(dir=args.set.parent) as scratch:
+        for run in range(args.repeat):
+            spent.clear()
+            calls.clear()
+            out = Path(scratch) / "out"
+            t = time.perf_counter()
+            rlmerge.merge(args.set / "base", agents, out, method=args.method, params=json.loads(args.params))
+            wall = time.perf_counter() - t
+            shutil.rmtree(out)
+            parts = ", ".join(f"{k} {v:.2f} s / {calls[k]}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
+            print(f"run {run + 1}: {args.method} {wall:.2f} s wall; kernels (s / calls): {parts}; "
+                  f"sum {sum(spent.values()):.2f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
