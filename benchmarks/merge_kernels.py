@@ -16,6 +16,7 @@ import argparse
 import collections
 import json
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -25,7 +26,8 @@ import rlmerge
 import rlmerge.kernels as engine_kernels
 from rlmerge.methods.sparsify import kernels as family_kernels
 
-AGENTS = ("coder", "tool-use", "memory")  # a set benchmarks/run.py made
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dataset import NAMES  # noqa: E402  the agents' folders of a set benchmarks/run.py made
 
 
 def main() -> None:
@@ -56,7 +58,7 @@ def main() -> None:
     timed(engine_kernels, "fused_range")
     for name in family_kernels._ENTRIES:
         timed(family_kernels, name)
-    agents = [args.set / a for a in AGENTS]
+    agents = [args.set / a for a in NAMES]
     with tempfile.TemporaryDirectory(dir=args.set.parent) as scratch:
         for run in range(args.repeat):
             spent.clear()
