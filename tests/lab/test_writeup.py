@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from rlmerge.lab.tasks import FAMILIES
 from rlmerge.lab.writeup import real_size, tiny
 
@@ -89,3 +91,32 @@ def test_uneven_run_of_one_seed_bootstraps_each_specialist_on_its_own_task(tmp_p
     d, lo, hi = bootstrap_difference({"memory": [1.0] * 4}, {"memory": [1.0, 0.0, 1.0, 0.0]}, seed=0)
     assert (d, lo) == (50.0, 0.0)  # two of four examples gained: the low end can be no gain at all
     assert f"| Specialist: memory − Base, on memory | +50.0 | +50.0 | [{lo:+.1f}, {hi:+.1f}] |" in text
+
+
+def test_uneven_run_from_runs_made_side_by_side_is_one_table(tmp_path: Path) -> None:
+    """Seeds run side by side (one `rlmerge lab --first-seed S` each) make one table, the same as one run of all
+    the seeds; a seed given twice, or runs of other agent settings, are refused, naming the files."""
+    from rlmerge.lab.writeup import uneven
+
+    seeds = []
+    for seed, boost in ((0, 1.0), (1, 0.0), (2, 1.0)):
+        s = _seed(seed, boost)
+        for f in FAMILIES:
+            s["task_vectors"]["agents"][f] |= {"rho": 1.5, "lambda_paper": 1.15}
+        seeds.append(s)
+    config = {"agent_grpo": {"coding": {"lr": 3e-5}}}
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps({"seeds": seeds, "config": config}))
+    parts = []
+    for s in (seeds[2], seeds[0], seeds[1]):  # in any order
+        parts.append(tmp_path / f"s{s['seed']}.json")
+        parts[-1].write_text(json.dumps({"seeds": [s], "config": config}))
+    assert uneven(parts, tmp_path / "plot.png") == uneven(whole)
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="more than one run") as e:
+        uneven([parts[0], parts[0]])
+    assert str(parts[0]) in str(e.value)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"seeds": [_seed(3, 1.0)], "config": {"agent_grpo": {"coding": {"lr": 1e-5}}}}))
+    with pytest.raises(ValueError, match="different settings"):
+        uneven([parts[0], other])

@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
 # Copy what the uneven SmolLM2 run has finished into this folder and print the docs/lab.md tables.
 # Run after each seed: OUT/results.json holds the seeds finished so far (the run rewrites it after each seed).
-#   bash docs/lab-results/smollm2-uneven/collect.sh /work/lab-runs/uneven /work/lab-runs/uneven.log
+# Seeds run side by side (one `rlmerge lab --first-seed S --seeds 1 --out OUT_S` each) are collected together;
+# each run's log is OUT.log beside its folder:
+#   bash docs/lab-results/smollm2-uneven/collect.sh /work/lab-runs/uneven2 /work/lab-runs/uneven2-s1
+# Writes results-<run>.json, table-<run>.md and run-<run>.log per run, plot.png and tables.md over all of them.
 set -euo pipefail
-out=${1:?usage: collect.sh OUT [LOG]   (the --out folder of the run, and its log)}
-log=${2:-}
+[ $# -ge 1 ] || { echo "usage: collect.sh OUT [OUT ...]   (the --out folders of the run's seeds)" >&2; exit 1; }
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
-test -f "$out/results.json" || { echo "no $out/results.json yet: no seed has finished" >&2; exit 1; }
-cp "$out/results.json" "$out/table.md" "$out/plot.png" "$here/"
-for f in "$out"/pilot-seed*.md "$out"/pilot-seed*.json; do [ -f "$f" ] && cp "$f" "$here/pilot/"; done
-if [ -n "$log" ]; then
-  grep -v -E "Loading weights|warnings.warn|FutureWarning|de-quantizing|Writing model shards|it/s\]" "$log" \
-    > "$here/run.log" || true
-fi
-cd "$repo" && PYTHONPATH=src "${PYTHON:-python}" -m rlmerge.lab.writeup --uneven "$here/results.json" \
-  | tee "$here/tables.md"
+files=()
+for out in "$@"; do
+  out=${out%/}
+  name=$(basename "$out")
+  if [ ! -f "$out/results.json" ]; then
+    echo "no $out/results.json yet: no seed of that run has finished (left out)" >&2
+    continue
+  fi
+  cp "$out/results.json" "$here/results-$name.json"
+  cp "$out/table.md" "$here/table-$name.md"
+  files+=("$here/results-$name.json")
+  if [ -f "$out.log" ]; then
+    grep -v -E "Loading weights|warnings.warn|FutureWarning|de-quantizing|Writing model shards|it/s\]" "$out.log" \
+      > "$here/run-$name.log" || true
+  fi
+done
+[ ${#files[@]} -ge 1 ] || { echo "no run has finished a seed yet" >&2; exit 1; }
+cd "$repo" && PYTHONPATH=src "${PYTHON:-python}" -m rlmerge.lab.writeup --uneven "${files[@]}" \
+  --uneven-plot "$here/plot.png" | tee "$here/tables.md"

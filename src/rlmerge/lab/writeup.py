@@ -229,10 +229,21 @@ def stage_times(seeds: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def uneven(file: Path) -> str:
-    """A multi-seed real-size run (the uneven SmolLM2 run): Table 1 beside ours, the agents, paired intervals."""
-    doc = json.loads(Path(file).read_text())
-    seeds = sorted(doc["seeds"], key=lambda s: s["seed"])
+def uneven(files: Path | Sequence[Path], plot_to: Path | None = None) -> str:
+    """A multi-seed real-size run (the uneven SmolLM2 run): Table 1 beside ours, the agents, paired intervals.
+
+    ``files``: the results.json of one run, or of several runs of the same size that each made other seeds
+    (``--first-seed``: seeds run side by side); ``plot_to``: where to draw their test scores."""
+    files = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+    docs = [json.loads(f.read_text()) for f in files]
+    seeds = load_seeds(files)
+    if len({s["seed"] for s in seeds}) < len(seeds):
+        raise ValueError(f"{', '.join(map(str, files))}: a seed appears in more than one run; give each seed once")
+    settings = [d.get("config", {}).get("agent_grpo", {}) for d in docs]
+    if any(s != settings[0] for s in settings):
+        raise ValueError(f"{', '.join(map(str, files))}: the runs trained their agents with different settings "
+                         "(config.agent_grpo); only runs of one setting go in one table")
+    doc = docs[0]
     scores = {r: [s["scores"][r] for s in seeds if r in s["scores"]] for r in seeds[0]["scores"]}
     over = seed_differences([s["scores"] for s in seeds]) if len(seeds) > 1 else []
     own = []
@@ -252,6 +263,8 @@ def uneven(file: Path) -> str:
                                                       {f: s["examples"]["Base"][f]}, seed=s["seed"])]]
             for s in seeds}
     n = len(seeds)
+    if plot_to is not None:
+        plot(scores, plot_to, f"rlmerge lab (uneven SmolLM2): test accuracy, {n} seed(s)")
     parts = [
         markdown_table(scores),
         "Beside the paper's Table 1 (average over tasks, mean over seeds; rank among the rows other than the base):\n\n"
@@ -281,7 +294,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--mechanism", type=Path, help="mechanism.json of a sweep")
     ap.add_argument("--mechanism-plot", type=Path, help="where to write the mechanism plot")
     ap.add_argument("--real", type=Path, help="results.json of the SmolLM2 run")
-    ap.add_argument("--uneven", type=Path, help="results.json of the uneven SmolLM2 run (several seeds)")
+    ap.add_argument("--uneven", nargs="*", type=Path, default=[],
+                    help="results.json of the uneven SmolLM2 run (several seeds; or of runs that made one seed each)")
+    ap.add_argument("--uneven-plot", type=Path, help="where to write the uneven run's plot")
     args = ap.parse_args(argv)
     if args.tiny:
         print(tiny(args.tiny, args.tiny_plot), end="\n\n")
@@ -295,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.real:
         print(real_size(args.real))
     if args.uneven:
-        print(uneven(args.uneven))
+        print(uneven(args.uneven, args.uneven_plot))
 
 
 if __name__ == "__main__":
