@@ -282,6 +282,33 @@ def test_a_file_that_shrinks_under_its_mapping_is_an_input_error(example) -> Non
     ckpt.close()
 
 
+def test_a_checked_view_uses_the_size_its_prefetch_saw(example) -> None:
+    """The fast path views a block its readahead thread asked for with ``checked``: the size that request noted
+    is used instead of an fstat per view; a shrink it saw is the same InputError, one it did not see is caught
+    by an unchecked view (which the fast path makes for a block whose request has not run)."""
+    from rlmerge.io.mapping import Mapped
+    from rlmerge.io.open import open_all
+
+    base, _ = example
+    ckpt = open_all([base])[0]
+    name = max(ckpt.tensors, key=lambda k: ckpt.tensors[k].numel)
+    path = ckpt.tensors[name].file
+    mapped = Mapped()
+    assert mapped.view(ckpt, name, 0, 100) is not None  # mapped at its full size
+    mapped.prefetch(ckpt, name, 100, 200)  # notes the size: whole
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    assert mapped.view(ckpt, name, 100, 200, checked=True) is not None  # what the request saw: not yet cut
+    with pytest.raises(InputError, match="shrank"):
+        mapped.view(ckpt, name, 100, 200)  # an unchecked view looks itself
+    mapped.prefetch(ckpt, name, 200, 300)  # a later request sees the cut ...
+    with pytest.raises(InputError, match="shrank") as e:
+        mapped.view(ckpt, name, 200, 300, checked=True)  # ... and a checked view reports it
+    assert str(path) in str(e.value) and name in str(e.value)
+    mapped.close()
+    ckpt.close()
+
+
 def _mapped_rss(paths: set[str]) -> int:
     """Resident bytes of this process's mappings of ``paths`` (/proc/self/smaps)."""
     total, current = 0, ""
@@ -316,6 +343,7 @@ def test_released_blocks_leave_no_mapped_pages_behind(tmp_path: Path) -> None:
     for *_, b, agent_views in fast.blocks(plan.merge_jobs):
         total += int(b.sum()) + sum(int(a.sum()) for a in agent_views)
     del b, agent_views
+    fast._ahead.submit(lambda: None).result()  # the readahead thread, which releases them, is through its queue
     # every block was released (page by page, 22.4 of the 23.5 MB stayed mapped on Linux 6.18)
     assert _mapped_rss(files) <= 0.01 * sum(Path(f).stat().st_size for f in files), _mapped_rss(files)
     assert total > 0
@@ -347,7 +375,7 @@ def test_the_blocks_ahead_are_requested_before_they_are_computed(tmp_path: Path,
         with lock:
             asked.append((str(ckpt.path), name, start, stop))
 
-    monkeypatch.setattr(Mapped, "prefetch", staticmethod(spy))
+    monkeypatch.setattr(Mapped, "prefetch", lambda self, *a: spy(*a))
     fast = fastpath.FastPath(plan, 4096)
     job = max(plan.merge_jobs, key=lambda j: j.numel)  # several blocks
     spans = [(job.name, s, min(s + fast.step(job), job.numel)) for s in range(0, job.numel, fast.step(job))]
@@ -368,7 +396,7 @@ def test_the_blocks_ahead_are_requested_before_they_are_computed(tmp_path: Path,
     monkeypatch.undo()
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, length, advice: calls.append((off, length, advice)))
     info = models[0].tensors[job.name]
-    Mapped.prefetch(models[0], job.name, 10, 30)
+    Mapped().prefetch(models[0], job.name, 10, 30)
     assert calls == [(info.offset + 10 * info.dtype.itemsize, 20 * info.dtype.itemsize, os.POSIX_FADV_WILLNEED)]
     for m in models:
         m.close()

@@ -2,7 +2,8 @@
 
 Each file is mapped once, read-only; a finished block's pages are handed back in whole folios, the next block's
 requested ahead, so the resident set is bounded by the blocks in flight. A file that shrank is an InputError
-before its next block is viewed (docs/architecture.md).
+before its next block is viewed: the size is checked when a block is requested ahead (on the helper thread that
+asks), or when it is viewed if it was not (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Mapped:
     def __init__(self, limit: int | None = None) -> None:
         self.limit = limit or descriptor_budget(64)
         self._maps: OrderedDict[Path, tuple[mmap.mmap, int]] = OrderedDict()  # file → (mapping, size)
+        self._sizes: dict[Path, int] = {}  # file → its size when last checked (view, prefetch)
 
     def _map(self, ckpt: Checkpoint, file: Path) -> tuple[mmap.mmap, int]:
         got = self._maps.get(file)
@@ -58,38 +60,48 @@ class Mapped:
         self._maps.move_to_end(file)
         return got
 
-    def view(self, ckpt: Checkpoint, name: str, start: int, stop: int) -> np.ndarray | None:
+    def view(self, ckpt: Checkpoint, name: str, start: int, stop: int, *, checked: bool = False) -> np.ndarray | None:
         """Stored elements [start, stop) of ``name``, viewed in place; None when they cannot be (not a
-        safetensors file, or bytes not aligned to the dtype: the caller reads a copy instead)."""
+        safetensors file, or bytes not aligned to the dtype: the caller reads a copy instead).
+
+        The file's size is checked first (a file that shrank is an InputError): with ``checked``, the caller
+        knows that ``prefetch`` checked it after these elements were asked for, and the size it saw is used
+        (an ``fstat`` per view, on the thread that computes, cost ~0.4 s of a 0.5B TIES merge)."""
         info = ckpt.tensors[name]
         size = info.dtype.itemsize
         lo = info.offset + start * size
         if not ckpt.viewable or lo % size or stop <= start:
             return None
         mm, mapped_size = self._map(ckpt, info.file)
-        with ckpt.fd(info.file) as fd:
-            now = os.fstat(fd).st_size
+        now = self._sizes.get(info.file) if checked else None
+        if now is None:
+            with ckpt.fd(info.file) as fd:
+                now = self._sizes[info.file] = os.fstat(fd).st_size
         if now < mapped_size:
             raise InputError("the file shrank while merging", file=str(info.file), tensor=name,
                              hint="another program changed it; let it finish, then merge again")
         return np.frombuffer(mm, dtype=info.dtype.np_storage, count=stop - start, offset=lo)
 
-    @staticmethod
-    def prefetch(ckpt: Checkpoint, name: str, start: int, stop: int) -> None:
+    def prefetch(self, ckpt: Checkpoint, name: str, start: int, stop: int) -> None:
         """Start reading the bytes of elements [start, stop) of ``name`` into the page cache, without waiting for
         them: ``posix_fadvise(WILLNEED)`` on the file, which needs no mapping and releases the GIL, so a helper
         thread can ask while the blocks before are computed (on a cold file the call itself takes a while: it
-        allocates the pages, reclaiming others, and queues the reads). Advice only: nothing is raised."""
+        allocates the pages, reclaiming others, and queues the reads). The file's size is noted for ``view``'s
+        check. Advice only: nothing is raised."""
         info: TensorInfo = ckpt.tensors[name]
-        if not ckpt.viewable or stop <= start or not hasattr(os, "posix_fadvise"):
+        if not ckpt.viewable or stop <= start:
             return
         size = info.dtype.itemsize
         with contextlib.suppress(OSError, InputError), ckpt.fd(info.file) as fd:
-            os.posix_fadvise(fd, info.offset + start * size, (stop - start) * size, os.POSIX_FADV_WILLNEED)
+            self._sizes[info.file] = os.fstat(fd).st_size
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, info.offset + start * size, (stop - start) * size, os.POSIX_FADV_WILLNEED)
 
     def release(self, ckpt: Checkpoint, name: str, start: int, stop: int) -> None:
         """Hand back the pages of elements [start, stop) of ``name``: ``MADV_DONTNEED`` on every folio those pages
-        may sit in (a page re-faulted later is read from the page cache again). Advice only: nothing is raised."""
+        may sit in (a page re-faulted later is read from the page cache again). Advice only: nothing is raised,
+        also when another thread closed the mapping meanwhile (the helper thread that releases, ``_map``'s
+        eviction)."""
         info: TensorInfo = ckpt.tensors[name]
         got = self._maps.get(info.file)
         if not DONTNEED or got is None or not hasattr(got[0], "madvise"):
@@ -97,7 +109,7 @@ class Mapped:
         lo = (info.offset + start * info.dtype.itemsize) // FOLIO * FOLIO
         hi = min(got[1], -(-(info.offset + stop * info.dtype.itemsize) // FOLIO) * FOLIO)
         if hi > lo:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):  # ValueError: closed meanwhile
                 got[0].madvise(DONTNEED, lo, hi - lo)
 
     def close(self) -> None:

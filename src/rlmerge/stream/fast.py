@@ -6,6 +6,7 @@ docs/architecture.md ("How the numba path works") has the design.
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -182,10 +183,12 @@ class FastPath:
         base.flags.writeable = agents.flags.writeable = False  # one kernel signature for copies and views
         return base, agents
 
-    def _views(self, job: Job, start: int, stop: int) -> tuple[np.ndarray, tuple[np.ndarray, ...]] | None:
-        """The block viewed in the mapped files, or None when some tensor cannot be viewed in place."""
+    def _views(self, job: Job, start: int, stop: int, *, checked: bool = False,
+               ) -> tuple[np.ndarray, tuple[np.ndarray, ...]] | None:
+        """The block viewed in the mapped files, or None when some tensor cannot be viewed in place (``checked``:
+        its prefetch, which checked the files' sizes, has run; Mapped.view)."""
         models = (self.match.base, *self.match.agents)
-        views = [self.mapped.view(m, job.name, start, stop) for m in models]
+        views = [self.mapped.view(m, job.name, start, stop, checked=checked) for m in models]
         if any(v is None for v in views):
             return None
         return views[0], tuple(views[1:])  # type: ignore[return-value]
@@ -196,10 +199,9 @@ class FastPath:
             self.mapped.release(m, job.name, start, stop)
 
     def _prefetch(self, job: Job, start: int, stop: int) -> None:
-        """Ask for a block's bytes ahead, on the readahead thread (Mapped.prefetch): the main thread, which sets up
-        every block, does not wait for it."""
+        """Ask for a block's bytes ahead (Mapped.prefetch, which also notes the files' sizes)."""
         for m in (self.match.base, *self.match.agents):
-            self._ahead.submit(self.mapped.prefetch, m, job.name, start, stop)
+            self.mapped.prefetch(m, job.name, start, stop)
 
     def blocks(self, jobs: list[Job], passes: Callable[[Job], int] | None = None,
                ) -> Iterator[tuple[Job, int, int, _Slot, np.ndarray, tuple[np.ndarray, ...]]]:
@@ -207,35 +209,44 @@ class FastPath:
 
         A block's agents come as a tuple of [n] views of the mapped files; a tensor that cannot be viewed in
         place is copied into a slot by the reader thread while the previous block is computed. The pages of the
-        next AHEAD blocks are requested by the readahead thread, a finished block's pages are released.
+        next AHEAD blocks are requested by the readahead thread, which checks the files' sizes as it does, and
+        hands back a finished block's pages (at most AHEAD finished blocks wait for it): the thread that sets up
+        the blocks makes no system call per block, which cost ~0.6 s of a 0.5B TIES merge while the compute
+        threads waited.
         """
         spans = [(j, s, min(s + self.step(j), j.numel)) for j in jobs for _ in range(passes(j) if passes else 1)
                  for s in range(0, j.numel, self.step(j))]
-        pending: Future[tuple[np.ndarray, np.ndarray]] | None = None
-        for span in spans[1:AHEAD]:
-            self._prefetch(*span)
+        pending: Future[tuple[np.ndarray, np.ndarray]] | None = None  # the next block's copy, being read
+        ready = None  # the next block's views
+        asked: dict[int, Future[None]] = {}  # span → its prefetch on the readahead thread
+        released: collections.deque[Future[None]] = collections.deque()  # computed blocks' releases, queued there
+        for i in range(1, min(AHEAD, len(spans))):
+            asked[i] = self._ahead.submit(self._prefetch, *spans[i])
         for k, (job, start, stop) in enumerate(spans):
             slot = self.slots[k % 2]
             if slot.written is not None:  # its output buffer must be written before it is reused
                 slot.written.result()
-            views = None if pending is not None else self._views(job, start, stop)
+            views = ready if k else self._views(job, start, stop)
             if views is None:
                 if pending is None:
                     pending = self._reader.submit(self._read, slot, job, start, stop)
                 base, agents = pending.result()
                 views = (base, tuple(agents))
-            pending = None
+            pending = ready = None
             if k + AHEAD < len(spans):
-                self._prefetch(*spans[k + AHEAD])
+                asked[k + AHEAD] = self._ahead.submit(self._prefetch, *spans[k + AHEAD])
             if k + 1 < len(spans):
-                nxt = spans[k + 1]
-                if self._views(*nxt) is None:  # a copy: read it while this block is computed
+                nxt, fetched = spans[k + 1], asked.pop(k + 1, None)
+                ready = self._views(*nxt, checked=fetched is not None and fetched.done())
+                if ready is None:  # a copy: read it while this block is computed
                     pending = self._reader.submit(self._read, self.slots[(k + 1) % 2], *nxt)
             if self.on_read is not None:
                 self.on_read((stop - start) * sum(m.tensors[job.name].dtype.itemsize  # stored bytes (τ: more)
                                                   for m in (self.match.base, *self.match.agents)))
             yield job, start, stop, slot, views[0], views[1]
-            self._release(job, start, stop)
+            released.append(self._ahead.submit(self._release, job, start, stop))
+            if len(released) > AHEAD:  # at most AHEAD computed blocks still mapped, however slow the requests
+                released.popleft().result()
 
     # -- computing -------------------------------------------------------------------------------------
     def run(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, args: RuleArgs,
