@@ -250,19 +250,29 @@ class FastPath:
 
     # -- computing -------------------------------------------------------------------------------------
     def run(self, job: Job, start: int, base: np.ndarray, agents: np.ndarray, args: RuleArgs,
-            out: np.ndarray | None, ts: TensorStats | None, kept: np.ndarray | None = None) -> None:
+            out: np.ndarray | None, ts: TensorStats | None, kept: np.ndarray | None = None,
+            then: Callable[[int, int, int], Any] | None = None) -> None:
         """The fused kernel on one block; statistics into ``ts`` when given (which also checks every τ); ``kept``
-        [threads, N, 2]: what the written block kept of the rule's rescale (``args.rescaled``, survival.py)."""
+        [threads, N, 2]: what the written block kept of the rule's rescale (``args.rescaled``, survival.py);
+        ``then(k, lo, hi)``: another kernel on the same slices, run by each compute thread after this one (one
+        hand-off per block instead of two)."""
         n = base.shape[0]
         if ts is not None:
             self.hist[:] = 0
             self.gram[:] = 0.0
         prog = args.program if out is not None else None
         dest = out if out is not None else self._dummy_out
-        bad = self.parallel(n, lambda k, lo, hi: kernels.fused_range(
-            prog, base, agents, lo, hi, args.eps, args.consts, args.agent_consts, dest,
-            self.hist[k] if ts is not None else None, self.gram[k] if ts is not None else None, self.exact_gram,
-            args.rescaled if kept is not None else None, kept[k] if kept is not None else None, self.tau))
+
+        def part(k: int, lo: int, hi: int) -> bool:
+            bad = kernels.fused_range(
+                prog, base, agents, lo, hi, args.eps, args.consts, args.agent_consts, dest,
+                self.hist[k] if ts is not None else None, self.gram[k] if ts is not None else None, self.exact_gram,
+                args.rescaled if kept is not None else None, kept[k] if kept is not None else None, self.tau)
+            if then is not None:
+                then(k, lo, hi)
+            return bool(bad)
+
+        bad = self.parallel(n, part)
         if any(bad):
             self.raise_non_finite(job, start, base, agents)
         if ts is not None:
@@ -318,17 +328,21 @@ def statistics_pass_fast(fast: FastPath, jobs: list[Job], stats: Statistics, bar
 
 
 def job_reads(fast: FastPath, blocks: Iterator[Any], job: Job, reads: int, ts: TensorStats | None = None,
-              args: RuleArgs | None = None) -> Iterator[tuple[int, int, int, _Slot, np.ndarray, Any]]:
+              args: RuleArgs | None = None, then: Callable[[int, np.ndarray, Any], Any] | None = None,
+              ) -> Iterator[tuple[int, int, int, _Slot, np.ndarray, Any]]:
     """The blocks of ``reads`` reads of ``job`` from ``blocks`` (``FastPath.blocks``), as (read, start, stop, slot,
     base, agents); the first read's are counted into ``ts`` by the statistics kernel (``args``: stats_args) when
-    both are given. A read ends at the block with stop = job.numel."""
+    both are given, and ``then(start, base, agents)`` may give a kernel for the compute threads to run on the
+    same block right after it (``FastPath.run``'s ``then``; None: none). A read ends at the block with
+    stop = job.numel."""
     for read in range(reads):
         for _ in range(-(-job.numel // fast.step(job))):
             bjob, start, stop, slot, base, agents = next(blocks)
             if bjob is not job:
                 raise RuntimeError(f"fast path out of step: expected {job.name}, got {bjob.name}")
             if read == 0 and ts is not None and args is not None:
-                fast.run(job, start, base, agents, args, None, ts)
+                fast.run(job, start, base, agents, args, None, ts,
+                         then=then(start, base, agents) if then is not None else None)
             yield read, start, stop, slot, base, agents
 
 

@@ -11,7 +11,7 @@ backend finds is added to the cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +124,7 @@ class SelectBackend:
         self.histq = np.zeros((fast.threads, 0, max(BINS[1:]) + 8), dtype=np.int64)
         self._numel = 0
         self._gather: _Gather | None = None  # the bins being gathered instead of the next round
+        self._fused = False  # this block's round-0 counts were taken with its statistics (_with_statistics)
 
     def reads(self, job: Job) -> int:
         return select_reads(self.obs, job, self.fast.block, self.run.cache)
@@ -141,8 +142,9 @@ class SelectBackend:
                 g.fill[k], g.bits[k], g.index[k], self.fast.tau_arg))
             return
         if sel.round == 0:
-            self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.hist_first(
-                base, agents, lo, hi, self.hist0[k], self.fast.tau_arg))
+            if not self._fused:  # (else the compute threads counted it after the block's statistics)
+                self.fast.parallel(base.shape[0], self._first_part(base, agents))
+            self._fused = False
             if self.hist0[:, :, :, kernels.NONFINITE_BIN:BINS[0]].any():  # |τ| ≥ inf: exponent all ones
                 self.fast.raise_non_finite(job, start, base, agents)
             self._numel += base.shape[0]
@@ -152,6 +154,18 @@ class SelectBackend:
         shift, width = sel.digit
         self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.hist_next(
             base, agents, lo, hi, sel.streams, sel.prefix, sel.active, shift, width, self.histq[k], self.fast.tau_arg))
+
+    def _first_part(self, base: np.ndarray, agents: Any) -> Callable[[int, int, int], None]:
+        return lambda k, lo, hi: kernels.hist_first(base, agents, lo, hi, self.hist0[k], self.fast.tau_arg)
+
+    def _with_statistics(self, start: int, base: np.ndarray, agents: Any) -> Callable[[int, int, int], None] | None:
+        """``job_reads``' ``then``: round 0's counting of a block, for the compute threads to run right after its
+        statistics (``_count`` then only checks it); None when the block is not counted in round 0."""
+        sel = self.obs.selection
+        if self._gather is not None or sel is None or sel.round != 0:
+            return None
+        self._fused = True
+        return self._first_part(base, agents)
 
     def _end_round(self, name: str | None) -> bool:
         """Hand the round's counts (or gathered bins) to the observer; True while another round is wanted."""
@@ -224,7 +238,8 @@ class SelectBackend:
                 own = False
         selecting = reads > 1 and self._cached_round0(job) is not False
         for read, start, stop, slot, base, agents in job_reads(self.fast, self._blocks, job, reads, ts,
-                                                               self.stats_args):
+                                                               self.stats_args,
+                                                               self._with_statistics if selecting else None):
             if read < reads - 1:  # a selection round: each fixes one more digit of the thresholds
                 if selecting:  # (a round not needed still takes its blocks)
                     self._count(job, start, base, agents)
