@@ -400,3 +400,39 @@ def test_the_blocks_ahead_are_requested_before_they_are_computed(tmp_path: Path,
     assert calls == [(info.offset + 10 * info.dtype.itemsize, 20 * info.dtype.itemsize, os.POSIX_FADV_WILLNEED)]
     for m in models:
         m.close()
+
+
+def test_a_block_grows_by_at_most_an_eighth_to_hold_a_tensor_whole() -> None:
+    from types import SimpleNamespace as NS
+
+    def block(asked: int, *sizes: int) -> int:
+        return fastpath.fast_block(NS(merge_jobs=[NS(numel=n) for n in sizes]), asked)  # type: ignore[arg-type]
+
+    b = 4 << 20  # the default; Qwen2-0.5B's MLP matrices hold 4,358,144 elements, its embedding 136 M
+    assert block(b, 4_358_144, 136_134_656) == 4_358_144 + (-4_358_144 % kernels.TILE)
+    assert block(b, b + b // 8, 10 * b) == b + b // 8  # an eighth more: grown
+    assert block(b, b + b // 8 + 1, 10 * b) == b  # past it: cut as asked
+    assert block(b, 1000, 3000) == 3000  # never past the largest tensor
+    assert block(3000, 1000, 3000) == 3000
+    assert block(b // 2, b - 1, b + 1, 10 * b) == b // 2  # only a tensor within the eighth counts
+
+
+def test_a_tensor_just_larger_than_the_block_is_selected_in_one_read(tmp_path: Path) -> None:
+    """TIES reads a tensor that fits a block once (selected in memory), a larger one once per round and once to
+    merge: a block size up to 1/8 under the largest tensor now reads like one that holds it, with the same
+    bytes as every other block size."""
+    from rlmerge.synthetic import Shape
+
+    shape = Shape("qwen2", vocab=1024, hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128, tie=True)
+    base, agents = make_example(tmp_path / "in", shape=shape)
+    kw = {"method": "ties", "params": {"density": 0.3}}
+    largest = max(j.numel for j in rlmerge.dry_run(base, agents, tmp_path / "p", **kw).match.merge_jobs)
+    assert largest > 20 * kernels.TILE
+    runs = {}
+    for name, size in (("whole", largest), ("near", int(largest * 0.95)), ("under", int(largest * 0.8))):
+        runs[name] = rlmerge.merge(base, agents, tmp_path / name, block_size=size, **kw)
+    assert runs["near"].read_bytes == runs["whole"].read_bytes < runs["under"].read_bytes
+    outputs = {name: load_output(tmp_path / name) for name in runs}
+    for key, value in outputs["whole"].items():
+        for name in ("near", "under"):
+            assert torch.equal(outputs[name][key], value), (name, key)

@@ -28,7 +28,8 @@ Param = Annotated[list[str] | None, typer.Option("--param", help="any method par
 Dtype = Annotated[str | None, typer.Option(help="output dtype: bfloat16, float16, float32, or base (default: the "
                                                  "base's; float32 for ram+, whose rescale rounds away in bf16)")]
 ShardSize = Annotated[str | None, typer.Option(help="max shard size, e.g. 5GB")]
-BlockSize = Annotated[int | None, typer.Option(help="elements per block (memory bound)")]
+BlockSize = Annotated[int | None, typer.Option(help="elements per block (memory bound; the numba path may grow "
+                                                  "it by up to 1/8 to hold a tensor whole)")]
 AllowMissing = Annotated[bool, typer.Option(help="an agent missing a tensor counts as unchanged")]
 CountTiedTwice = Annotated[bool, typer.Option(help="count tied embeddings twice, as the authors' script")]
 TokenizerSource = Annotated[str | None, typer.Option(help="the output's tokenizer, as mergekit's tokenizer_source: "

@@ -88,9 +88,19 @@ def eligible(match: Match, job: Job) -> bool:
 def fast_block(match: Match, block_size: int) -> int:
     """Elements per block on the numba path: a whole number of the kernels' tiles (tiles then sit at the same
     offsets of a tensor whatever the block size and the number of threads, and so do the statistics' float32
-    partial sums), at most the largest merged tensor."""
-    block = -(-block_size // kernels.TILE) * kernels.TILE
-    return max(1, min(block, max((j.numel for j in match.merge_jobs), default=1)))
+    partial sums), at most the largest merged tensor. Grown by up to 1/SLACK to hold whole a tensor just larger
+    than ``block_size``: it then takes one block instead of one and a sliver, and a selecting method reads it
+    once instead of once per round (Qwen2-0.5B's MLP matrices, 4.36 M elements, against the default 4.19 M)."""
+    block = _tiles(block_size)
+    near = max((j.numel for j in match.merge_jobs if block < j.numel <= block + block // SLACK), default=0)
+    return max(1, min(max(block, _tiles(near)), max((j.numel for j in match.merge_jobs), default=1)))
+
+
+SLACK = 8  # a block grows by at most 1/SLACK of the size asked for (fast_block)
+
+
+def _tiles(n: int) -> int:
+    return -(-n // kernels.TILE) * kernels.TILE
 
 
 def row_step(shape: tuple[int, ...], numel: int, block: int) -> int:
