@@ -4,7 +4,9 @@ Every entry point of the engine's fused kernel and of the sparsify family's kern
 of each call on its compute thread, summed over threads: with two compute threads, up to twice the merge's wall
 time), the merge is run ``--repeat`` times in this process (the first also loads or compiles the kernels), and the
 sums of each run are printed beside its wall time. Main-thread work between kernels (sampling, page releases,
-Python) is what the wall time has beyond them. docs/benchmarks.md quotes it.
+Python) is what the wall time has beyond them: ``in hand-offs`` is the wall time the main thread spent handing
+blocks to the compute threads and waiting for them (``Workers.map``), ``outside`` the rest, while the compute
+threads wait. docs/benchmarks.md quotes it.
 
     PYTHONPATH=src python benchmarks/merge_kernels.py /work/bench-data/redesign/0.5b --method ties \\
         --params '{"density": 0.5}'
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import rlmerge
 import rlmerge.kernels as engine_kernels
+from rlmerge._threads import Workers
 from rlmerge.methods.sparsify import kernels as family_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,6 +58,20 @@ def main() -> None:
 
         setattr(module, name, run)
 
+    handing = [0.0, 0]  # seconds in the compute threads' Workers.map, calls
+    plain_map = Workers.map
+
+    def timed_map(self: Workers, fn: object, calls: object) -> object:
+        if not self._threads[0].name.startswith("rlmerge-compute"):
+            return plain_map(self, fn, calls)
+        t = time.perf_counter()
+        try:
+            return plain_map(self, fn, calls)
+        finally:
+            handing[0] += time.perf_counter() - t
+            handing[1] += 1
+
+    Workers.map = timed_map  # type: ignore[method-assign]
     timed(engine_kernels, "fused_range")
     for name in family_kernels._ENTRIES:
         timed(family_kernels, name)
@@ -63,6 +80,7 @@ def main() -> None:
         for run in range(args.repeat):
             spent.clear()
             calls.clear()
+            handing[:] = [0.0, 0]
             out = Path(scratch) / "out"
             t = time.perf_counter()
             rlmerge.merge(args.set / "base", agents, out, method=args.method, params=json.loads(args.params))
@@ -70,7 +88,8 @@ def main() -> None:
             shutil.rmtree(out)
             parts = ", ".join(f"{k} {v:.2f} s / {calls[k]}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
             print(f"run {run + 1}: {args.method} {wall:.2f} s wall; kernels (s / calls): {parts}; "
-                  f"sum {sum(spent.values()):.2f} s", flush=True)
+                  f"sum {sum(spent.values()):.2f} s; in hand-offs {handing[0]:.2f} s / {handing[1]}, outside them "
+                  f"{wall - handing[0]:.2f} s", flush=True)
 
 
 if __name__ == "__main__":
