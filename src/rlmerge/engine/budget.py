@@ -86,8 +86,9 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     """Peak resident memory of a merge whose merged tensors all take the numba block stream (stream/fast.py).
 
     No torch: ``FAST_BASELINE`` (the interpreter, numpy, numba, the loaded kernels, the threads). Per element of
-    a block: one block of every input file mapped (the block being computed; a finished one is handed back)
-    and the output written from the slots. The per-thread histograms, and ``mask_bytes`` (a tensor's keep
+    a block: one block of every input file mapped (the block being computed; a finished one is handed back by
+    the readahead thread: at most two wait for it, which the measured peaks do not show) and the output written
+    from the slots. The per-thread histograms, and ``mask_bytes`` (a tensor's keep
     bits for DARE / DELLA with L1 rescaling) on top. An input that cannot be viewed in place (``.bin``, verl
     shards, a LoRA adapter) has every block copied into two alternating slots (as float32 τ when an agent is an
     adapter), and its reader loads torch (``TORCH_LOADED``); mapped ``.bin`` files are reported apart, as for the
