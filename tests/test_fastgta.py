@@ -159,10 +159,12 @@ def test_histogram_counts_equal_fed_values(form: str) -> None:
 
 
 @pytest.mark.parametrize("after", [1, 2])
-def test_gathered_bin_ends_the_selection_exactly(after: int) -> None:
+@pytest.mark.parametrize("kth", ["numpy", "numba"])
+def test_gathered_bin_ends_the_selection_exactly(after: int, kth: str) -> None:
     """KthLargest.finish, given the values in each query's bin after ``after`` rounds (as gather_bin finds them),
-    answers as every round would: the k-th largest, how many values exceed it and how many equal it (an oracle
-    from a sort), for a sparse agent, heavy ties (τ of bfloat16 values repeat) and a rank among the zeros."""
+    answers as every round would, with numpy's partition or the fast path's digit counts (kernels.bin_kth): the
+    k-th largest, how many values exceed it and how many equal it (an oracle from a sort), for a sparse agent,
+    heavy ties (τ of bfloat16 values repeat) and a rank among the zeros."""
     g = torch.Generator().manual_seed(after)
     base = (torch.randn(6000, generator=g) * 0.02).to(torch.bfloat16)
     agents = torch.stack([(base.float() + torch.randn(6000, generator=g) * 1e-3).to(torch.bfloat16)
@@ -188,7 +190,9 @@ def test_gathered_bin_ends_the_selection_exactly(after: int) -> None:
     for q, t in enumerate(streams):  # each gathered value is |τ_t| at its index
         got = bits[starts[q]:starts[q] + fill[q]].view(np.float32)
         assert got.tolist() == tau[t].abs().numpy()[index[starts[q]:starts[q] + fill[q]]].tolist()
-    sel.finish([bits[s:s + f] for s, f in zip(starts, fill)])
+    kernel = (None if kth == "numpy" else
+              lambda queries, above: [family_kernels.bin_kth(b, r, p, above) for b, r, p in queries])
+    sel.finish([bits[s:s + f] for s, f in zip(starts, fill)], kernel)
     assert sel.done
     for q, (t, k) in enumerate(zip(streams, ranks)):
         a = tau[t].abs()
@@ -233,3 +237,21 @@ def test_gathering_or_rounds_same_bytes(tmp_path: Path, monkeypatch: pytest.Monk
         assert ran["gather_bin"] > 0 and ran["hist_next"] > 0
     if method == "ties" and budget == 0:
         assert ran["tie_scan"] > 0  # the edge models have ties at the threshold
+
+
+@pytest.mark.parametrize("above", [20, 10])
+def test_bin_kth_is_the_partitions_answer(above: int) -> None:
+    """kernels.bin_kth (a gathered bin's k-th largest by counting its digits) gives _select.kth_in_bins' answer
+    (a partition) and counts: every rank of small bins with heavy ties, the first, last and random ranks of
+    larger ones, and a bin of one value."""
+    from rlmerge.methods._select import kth_in_bins
+
+    gen = np.random.default_rng(above)
+    prefix = 0x3C8 if above == 20 else 0x3C8 << 10 | 0x155
+    for size, spread in [(1, 1), (7, 3), (50, 4), (300, 1 << above), (5000, 1 << 12), (20000, 1 << above)]:
+        bits = (np.uint32(prefix) << np.uint32(above)) | gen.integers(0, min(spread, 1 << above), size, dtype=np.uint32)
+        ranks = range(1, size + 1) if size <= 300 else [1, size, *gen.integers(1, size + 1, 20).tolist()]
+        for rank in ranks:
+            want = kth_in_bins([(bits, rank, prefix)], above)[0]
+            got = tuple(int(x) for x in family_kernels.bin_kth(bits, rank, prefix, above))
+            assert got == want, (size, spread, rank)

@@ -15,6 +15,8 @@ there, without the later rounds (which would otherwise count every zero again).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
 from .._torch import torch
@@ -34,6 +36,23 @@ def _from_top(hist: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     idx = np.array([np.searchsorted(row, kq) for row, kq in zip(desc, k)], dtype=np.int64)  # first cumsum ≥ k
     above = np.where(idx > 0, desc[np.arange(len(k)), np.maximum(idx - 1, 0)], 0)
     return hist.shape[-1] - 1 - idx, k - above
+
+
+# What ends a selection from its gathered bins (KthLargest.finish): per query (the bin's patterns, the rank wanted
+# inside it (1 = largest), the bits the earlier rounds fixed), and how many low bits the bin's values still differ
+# in; per query (the answer's pattern, how many of the bin's values exceed it, how many equal it).
+Kth = Callable[[Sequence[tuple[np.ndarray, int, int]], int], list[tuple[int, int, int]]]
+
+
+def kth_in_bins(queries: Sequence[tuple[np.ndarray, int, int]], above: int) -> list[tuple[int, int, int]]:
+    """``Kth`` with numpy: a partition of each bin. The fast path passes kernels.bin_kth instead (the remaining rounds'
+    digits counted in memory, on the compute threads: docs/benchmarks.md); this is its reference."""
+    out = []
+    for bits, rank, _prefix in queries:
+        at = len(bits) - rank  # the rank-th largest of the bin
+        v = np.partition(bits, at)[at]
+        out.append((int(v), int(np.count_nonzero(bits > v)), int(np.count_nonzero(bits == v))))
+    return out
 
 
 class KthLargest:
@@ -138,22 +157,23 @@ class KthLargest:
         shift, width = self.digit
         return shift + width
 
-    def finish(self, bits: list[np.ndarray]) -> None:
+    def finish(self, bits: list[np.ndarray], kth: Kth | None = None) -> None:
         """End the selection after a round from every value in each active query's bin instead of more rounds:
         ``bits[q]`` their float32 patterns as uint32, in any order, ``in_bin[q]`` of them (ignored for an answered
-        query). The fast path gathers a bin when it is small enough (fast_select.py)."""
+        query). The fast path gathers a bin when it is small enough (fast_select.py) and passes a ``kth`` that
+        answers the queries on its compute threads; by default numpy (``kth_in_bins``)."""
         if self.round == 0 or self.done:
             raise RuntimeError("KthLargest.finish after round 0 and before the last round only")
-        for q in np.flatnonzero(self.active):
-            b = np.asarray(bits[q], dtype=np.uint32)
-            if len(b) != self.in_bin[q]:
-                raise RuntimeError(f"KthLargest.finish: {len(b)} values gathered for query {q}, its bin holds "
+        active = np.flatnonzero(self.active)
+        for q in active:
+            if len(bits[q]) != self.in_bin[q]:
+                raise RuntimeError(f"KthLargest.finish: {len(bits[q])} values gathered for query {q}, its bin holds "
                                    f"{self.in_bin[q]}")
-            at = len(b) - int(self.rank_left[q])  # the rank_left-th largest of the bin
-            v = np.partition(b, at)[at]
-            self.greater[q] = self.ranks[q] - self.rank_left[q] + int(np.count_nonzero(b > v))
-            self.equal[q] = int(np.count_nonzero(b == v))
-            self.prefix[q] = int(v)
+        queries = [(np.asarray(bits[q], dtype=np.uint32), int(self.rank_left[q]), int(self.prefix[q])) for q in active]
+        for q, (v, greater, equal) in zip(active, (kth or kth_in_bins)(queries, self.above)):
+            self.greater[q] = self.ranks[q] - self.rank_left[q] + greater
+            self.equal[q] = equal
+            self.prefix[q] = v
         self.prefix = np.where(self.active, self.prefix, 0)
         self.round = ROUNDS
         self._result = self.prefix.astype(np.uint32).view(np.float32).copy()

@@ -173,7 +173,7 @@ class SelectBackend:
         assert sel is not None
         if self._gather is not None:
             assert name is not None
-            self.obs.gathered(name, *self._gather.parts(name))
+            self.obs.gathered(name, *self._gather.parts(name), self._bin_kth)
             self._gather = None
             return False  # the selection is over
         if sel.round == 0:
@@ -196,6 +196,13 @@ class SelectBackend:
         if more and name is not None and sel is not None and not self.obs.needs_l1:
             self._gather = _Gather.of(sel.in_bin, self.fast.threads)
         return more
+
+    def _bin_kth(self, queries: Sequence[tuple[np.ndarray, int, int]], above: int) -> list[tuple[int, int, int]]:
+        """``_select.Kth`` on the compute threads: each query's bin answered by kernels.bin_kth."""
+        if not queries:
+            return []
+        return [tuple(int(x) for x in r) for r in self.fast.run_parts(  # type: ignore[misc]
+            [(q,) for q in range(len(queries))], lambda q: kernels.bin_kth(*queries[q], above))]
 
     def _cached_round0(self, job: Job) -> bool | None:
         """Round 0 of ``job`` from the cache: None when it holds no histogram, else whether more rounds follow."""

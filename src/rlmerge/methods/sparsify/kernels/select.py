@@ -102,6 +102,35 @@ def gather_bin(base, agents, lo, hi, offset, streams, prefix, active, above, sta
 
 
 @njit(nogil=True, cache=True)
+def bin_kth(bits, rank, prefix, above):  # type: ignore[no-untyped-def]
+    """(pattern, greater, equal) of the ``rank``-th largest (1 = largest) of a gathered bin ``bits`` (uint32 |τ|
+    patterns whose bits from ``above`` up equal ``prefix``): the rounds of methods/_select.py that the gather
+    replaced, run on the bin in memory, one 10-bit digit per pass (``above`` is 20 or 10), with how many of the
+    bin's values exceed the answer and how many equal it. _select.kth_in_bins' answer, without a partition."""
+    hist = np.zeros(1 << 10, dtype=np.int64)
+    value = np.int64(prefix) << above
+    greater = np.int64(0)
+    left = np.int64(rank)
+    digit = 0
+    shift = above - 10
+    while shift >= 0:
+        hist[:] = 0
+        fixed = value >> (shift + 10)
+        for j in range(len(bits)):
+            x = np.int64(bits[j])
+            if (x >> (shift + 10)) == fixed:
+                hist[(x >> shift) & 1023] += 1
+        digit = 1023
+        while digit > 0 and hist[digit] < left:  # the first digit from the top whose count reaches the rank
+            left -= hist[digit]
+            greater += hist[digit]
+            digit -= 1
+        value |= np.int64(digit) << shift
+        shift -= 10
+    return value, greater, hist[digit]
+
+
+@njit(nogil=True, cache=True)
 def tie_scan(base, agents, lo, hi, t, thr, left, tau):  # type: ignore[no-untyped-def]
     """(count, index) over elements [lo, hi) of agent t, in flat order: the values with |τ_t| = thr counted until
     the ``left``-th is met, and that one's index (−1: fewer than ``left`` here, ``count`` of them).
