@@ -162,7 +162,7 @@ def test_histogram_counts_equal_fed_values(form: str) -> None:
 @pytest.mark.parametrize("kth", ["numpy", "numba"])
 def test_gathered_bin_ends_the_selection_exactly(after: int, kth: str) -> None:
     """KthLargest.finish, given the values in each query's bin after ``after`` rounds (as gather_bin finds them),
-    answers as every round would, with numpy's partition or the fast path's digit counts (kernels.bin_kth): the
+    answers as every round would, with numpy's partition or the fast path's digit counts (its _Gather): the
     k-th largest, how many values exceed it and how many equal it (an oracle from a sort), for a sparse agent,
     heavy ties (τ of bfloat16 values repeat) and a rank among the zeros."""
     g = torch.Generator().manual_seed(after)
@@ -178,21 +178,26 @@ def test_gathered_bin_ends_the_selection_exactly(after: int, kth: str) -> None:
     for r in range(after):
         sel.feed(tau)
         sel.next_round(ranks if r == 0 else None)
-    sizes = sel.in_bin
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    bits = np.empty(int(sizes.sum()), dtype=np.uint32)
-    index = np.empty(int(sizes.sum()), dtype=np.int64)
-    fill = np.zeros(4, dtype=np.int64)
-    for lo, hi in ((0, 2500), (2500, 6000)):  # two calls, as two blocks (or threads) would
-        family_kernels.gather_bin(b16, a16, lo, hi, 0, sel.streams, sel.prefix, sel.active, sel.above, starts,
-                                  starts + sizes, fill, bits, index, None)
-    assert fill.tolist() == sizes.tolist()
+    from types import SimpleNamespace
+
+    from rlmerge.methods._select import GatheredBins
+    from rlmerge.methods.sparsify.fast_select import _Gather
+
+    fast = SimpleNamespace(threads=2, run_parts=lambda parts, fn: [fn(*p) for p in parts])
+    g = _Gather.of(sel.in_bin, fast)
+    assert g is not None
+    for k, (lo, hi) in enumerate(((0, 2500), (2500, 6000))):  # two parts, as two compute threads gather them
+        family_kernels.gather_bin(b16, a16, lo, hi, 0, sel.streams, sel.prefix, sel.active, sel.above, g.starts,
+                                  g.starts + g.sizes, g.fill[k], g.bits[k], g.index[k], None)
+    g.check("t")
+    assert [g.size(q) for q in range(4)] == sel.in_bin.tolist()
+    parts = [[slice(s, s + f) for s, f in zip(g.starts, fill)] for fill in g.fill]
+    numpy_bins = GatheredBins([np.concatenate([b[p[q]] for b, p in zip(g.bits, parts)]) for q in range(4)],
+                              [np.concatenate([x[p[q]] for x, p in zip(g.index, parts)]) for q in range(4)])
     for q, t in enumerate(streams):  # each gathered value is |τ_t| at its index
-        got = bits[starts[q]:starts[q] + fill[q]].view(np.float32)
-        assert got.tolist() == tau[t].abs().numpy()[index[starts[q]:starts[q] + fill[q]]].tolist()
-    kernel = (None if kth == "numpy" else
-              lambda queries, above: [family_kernels.bin_kth(b, r, p, above) for b, r, p in queries])
-    sel.finish([bits[s:s + f] for s, f in zip(starts, fill)], kernel)
+        got = numpy_bins.bits[q].view(np.float32)
+        assert got.tolist() == tau[t].abs().numpy()[numpy_bins.index[q]].tolist()
+    sel.finish(numpy_bins if kth == "numpy" else g)
     assert sel.done
     for q, (t, k) in enumerate(zip(streams, ranks)):
         a = tau[t].abs()
@@ -240,18 +245,34 @@ def test_gathering_or_rounds_same_bytes(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("above", [20, 10])
-def test_bin_kth_is_the_partitions_answer(above: int) -> None:
-    """kernels.bin_kth (a gathered bin's k-th largest by counting its digits) gives _select.kth_in_bins' answer
-    (a partition) and counts: every rank of small bins with heavy ties, the first, last and random ranks of
-    larger ones, and a bin of one value."""
-    from rlmerge.methods._select import kth_in_bins
+def test_gathered_bins_answer_as_numpys(above: int) -> None:
+    """The fast path's gathered bins (kernels.bin_kth: a k-th largest by counting its digits; kernels.bin_tie: the
+    left-th tie in flat order) answer as _select.GatheredBins (a partition), with the bin's values split over
+    compute threads' parts in any order: every rank and tie of small bins with heavy ties, the first, last and
+    random ranks of larger ones, a bin of one value, and a left of 0 or past the ties."""
+    from types import SimpleNamespace
+
+    from rlmerge.methods._select import GatheredBins
+    from rlmerge.methods.sparsify.fast_select import _Gather
 
     gen = np.random.default_rng(above)
     prefix = 0x3C8 if above == 20 else 0x3C8 << 10 | 0x155
     for size, spread in [(1, 1), (7, 3), (50, 4), (300, 1 << above), (5000, 1 << 12), (20000, 1 << above)]:
         bits = (np.uint32(prefix) << np.uint32(above)) | gen.integers(0, min(spread, 1 << above), size, dtype=np.uint32)
+        index = gen.permutation(size * 3)[:size].astype(np.int64)
+        ref = GatheredBins([bits], [index])
+        cut = int(gen.integers(0, size + 1))  # two parts: [0, cut) and [cut, size)
+        fast = SimpleNamespace(threads=2, run_parts=lambda parts, fn: [fn(*p) for p in parts])
+        g = _Gather.of(np.array([size]), fast)
+        assert g is not None
+        for k, part in enumerate((slice(0, cut), slice(cut, size))):
+            g.bits[k, :part.stop - part.start], g.index[k, :part.stop - part.start] = bits[part], index[part]
+            g.fill[k, 0] = part.stop - part.start
         ranks = range(1, size + 1) if size <= 300 else [1, size, *gen.integers(1, size + 1, 20).tolist()]
-        for rank in ranks:
-            want = kth_in_bins([(bits, rank, prefix)], above)[0]
-            got = tuple(int(x) for x in family_kernels.bin_kth(bits, rank, prefix, above))
-            assert got == want, (size, spread, rank)
+        assert g.kth([(0, r, prefix) for r in ranks], above) == ref.kth([(0, r, prefix) for r in ranks], above)
+        for pattern in {int(bits[0]), int(bits.max()), int(bits[-1])}:
+            ties = int((bits == pattern).sum())
+            for left in {0, 1, ties // 2, ties, ties + 1}:
+                assert g.tie(0, pattern, left) == ref.tie(0, pattern, left)
+                if 0 < left <= ties:
+                    assert ref.tie(0, pattern, left)[1] == np.sort(index[bits == pattern])[left - 1]

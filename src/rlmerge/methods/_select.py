@@ -15,7 +15,9 @@ there, without the later rounds (which would otherwise count every zero again).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -38,21 +40,50 @@ def _from_top(hist: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return hist.shape[-1] - 1 - idx, k - above
 
 
-# What ends a selection from its gathered bins (KthLargest.finish): per query (the bin's patterns, the rank wanted
-# inside it (1 = largest), the bits the earlier rounds fixed), and how many low bits the bin's values still differ
-# in; per query (the answer's pattern, how many of the bin's values exceed it, how many equal it).
-Kth = Callable[[Sequence[tuple[np.ndarray, int, int]], int], list[tuple[int, int, int]]]
+class Bins(Protocol):
+    """The values gathered from a selection's bins after a round (KthLargest.finish, GtaObserver.gathered): per query
+    q, every value whose bits above the round's digit equal the query's prefix, as float32 patterns (uint32) with
+    their flat indices. ``GatheredBins`` is numpy's; the fast path's gather answers with its kernels
+    (methods/sparsify/fast_select._Gather)."""
+
+    def size(self, q: int) -> int:
+        """How many values were gathered for query q."""
+        ...
+
+    def kth(self, queries: Sequence[tuple[int, int, int]], above: int) -> list[tuple[int, int, int]]:
+        """Per (q, rank, prefix): the pattern of the rank-th largest (1 = largest) of q's values, how many of them
+        exceed it and how many equal it; ``above``: the bits from there up are the prefix (the rest differ)."""
+        ...
+
+    def tie(self, q: int, pattern: int, left: int) -> tuple[int, int]:
+        """How many of q's values equal ``pattern``, and the flat index of the ``left``-th of them in flat order
+        (−1 when left ≤ 0 or fewer are there)."""
+        ...
 
 
-def kth_in_bins(queries: Sequence[tuple[np.ndarray, int, int]], above: int) -> list[tuple[int, int, int]]:
-    """``Kth`` with numpy: a partition of each bin. The fast path passes kernels.bin_kth instead (the remaining rounds'
-    digits counted in memory, on the compute threads: docs/benchmarks.md); this is its reference."""
-    out = []
-    for bits, rank, _prefix in queries:
-        at = len(bits) - rank  # the rank-th largest of the bin
-        v = np.partition(bits, at)[at]
-        out.append((int(v), int(np.count_nonzero(bits > v)), int(np.count_nonzero(bits == v))))
-    return out
+@dataclass
+class GatheredBins:
+    """``Bins`` with numpy: each query's patterns and flat indices, one array each, in any order: a partition per
+    query. The reference the fast path's kernels (kernels.bin_kth, bin_tie) are held to."""
+
+    bits: list[np.ndarray]
+    index: list[np.ndarray]
+
+    def size(self, q: int) -> int:
+        return len(self.bits[q])
+
+    def kth(self, queries: Sequence[tuple[int, int, int]], above: int) -> list[tuple[int, int, int]]:
+        out = []
+        for q, rank, _prefix in queries:
+            bits = np.asarray(self.bits[q], dtype=np.uint32)
+            at = len(bits) - rank  # the rank-th largest of the bin
+            v = np.partition(bits, at)[at]
+            out.append((int(v), int(np.count_nonzero(bits > v)), int(np.count_nonzero(bits == v))))
+        return out
+
+    def tie(self, q: int, pattern: int, left: int) -> tuple[int, int]:
+        ties = self.index[q][self.bits[q] == pattern]
+        return len(ties), int(np.partition(ties, left - 1)[left - 1]) if 0 < left <= len(ties) else -1
 
 
 class KthLargest:
@@ -157,20 +188,19 @@ class KthLargest:
         shift, width = self.digit
         return shift + width
 
-    def finish(self, bits: list[np.ndarray], kth: Kth | None = None) -> None:
+    def finish(self, bins: Bins) -> None:
         """End the selection after a round from every value in each active query's bin instead of more rounds:
-        ``bits[q]`` their float32 patterns as uint32, in any order, ``in_bin[q]`` of them (ignored for an answered
-        query). The fast path gathers a bin when it is small enough (fast_select.py) and passes a ``kth`` that
-        answers the queries on its compute threads; by default numpy (``kth_in_bins``)."""
+        ``bins`` holds them, ``in_bin[q]`` per query (an answered query's are ignored). The fast path gathers a bin
+        when it is small enough (fast_select.py)."""
         if self.round == 0 or self.done:
             raise RuntimeError("KthLargest.finish after round 0 and before the last round only")
         active = np.flatnonzero(self.active)
         for q in active:
-            if len(bits[q]) != self.in_bin[q]:
-                raise RuntimeError(f"KthLargest.finish: {len(bits[q])} values gathered for query {q}, its bin holds "
+            if bins.size(q) != self.in_bin[q]:
+                raise RuntimeError(f"KthLargest.finish: {bins.size(q)} values gathered for query {q}, its bin holds "
                                    f"{self.in_bin[q]}")
-        queries = [(np.asarray(bits[q], dtype=np.uint32), int(self.rank_left[q]), int(self.prefix[q])) for q in active]
-        for q, (v, greater, equal) in zip(active, (kth or kth_in_bins)(queries, self.above)):
+        queries = [(int(q), int(self.rank_left[q]), int(self.prefix[q])) for q in active]
+        for q, (v, greater, equal) in zip(active, bins.kth(queries, self.above)):
             self.greater[q] = self.ranks[q] - self.rank_left[q] + greater
             self.equal[q] = equal
             self.prefix[q] = v

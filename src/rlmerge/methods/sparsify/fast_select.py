@@ -76,33 +76,48 @@ _GATHERED_BYTES = 4 + 8  # a float32 pattern and a flat index
 
 @dataclass
 class _Gather:
-    """The bins of a tensor's queries being gathered, block by block: per compute thread one part per query."""
+    """The bins of a tensor's queries being gathered, block by block: per compute thread one part per query
+    (``_select.Bins``, answered where the parts lie: kernels.bin_kth on the compute threads, kernels.bin_tie)."""
 
     sizes: np.ndarray  # [Q] the values in each query's bin (KthLargest.in_bin)
     starts: np.ndarray  # [Q] where each query's part begins in a thread's buffers
     bits: np.ndarray  # [threads, Σ sizes] uint32
     index: np.ndarray  # [threads, Σ sizes] int64
     fill: np.ndarray  # [threads, Q] int64: found so far
+    fast: FastPath
 
     @classmethod
-    def of(cls, sizes: np.ndarray, threads: int) -> _Gather | None:
+    def of(cls, sizes: np.ndarray, fast: FastPath) -> _Gather | None:
         total = int(sizes.sum())
-        if total * threads > GATHER:
+        if total * fast.threads > GATHER:
             return None
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        threads = fast.threads
         return cls(sizes, starts, np.empty((threads, total), dtype=np.uint32),
-                   np.empty((threads, total), dtype=np.int64), np.zeros((threads, len(sizes)), dtype=np.int64))
+                   np.empty((threads, total), dtype=np.int64), np.zeros((threads, len(sizes)), dtype=np.int64), fast)
 
-    def parts(self, name: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per query, every gathered pattern and flat index (threads' parts one after the other)."""
+    def check(self, name: str) -> _Gather:
         if not (self.fill.sum(0) == self.sizes).all():
             raise RuntimeError(f"{name}: gathered {self.fill.sum(0).tolist()} values of bins holding "
                                f"{self.sizes.tolist()}: the tensor changed while it was merged?")
-        bits, index = [], []
-        for q, s in enumerate(self.starts):
-            bits.append(np.concatenate([b[s:s + f] for b, f in zip(self.bits, self.fill[:, q])]))
-            index.append(np.concatenate([x[s:s + f] for x, f in zip(self.index, self.fill[:, q])]))
-        return bits, index
+        return self
+
+    def size(self, q: int) -> int:
+        return int(self.fill[:, q].sum())
+
+    def kth(self, queries: Sequence[tuple[int, int, int]], above: int) -> list[tuple[int, int, int]]:
+        if not queries:
+            return []
+        return [(int(v), int(greater), int(equal)) for v, greater, equal in self.fast.run_parts(
+            list(queries), lambda q, rank, prefix: kernels.bin_kth(self.bits, self.starts[q], self._fill(q), rank,
+                                                                   prefix, above))]
+
+    def tie(self, q: int, pattern: int, left: int) -> tuple[int, int]:
+        count, at = kernels.bin_tie(self.bits, self.index, self.starts[q], self._fill(q), np.uint32(pattern), left)
+        return int(count), int(at)
+
+    def _fill(self, q: int) -> np.ndarray:
+        return np.ascontiguousarray(self.fill[:, q])  # [threads]: how many of query q's values each part holds
 
 
 class SelectBackend:
@@ -173,7 +188,7 @@ class SelectBackend:
         assert sel is not None
         if self._gather is not None:
             assert name is not None
-            self.obs.gathered(name, *self._gather.parts(name), self._bin_kth)
+            self.obs.gathered(name, self._gather.check(name))
             self._gather = None
             return False  # the selection is over
         if sel.round == 0:
@@ -194,15 +209,8 @@ class SelectBackend:
         more = self.obs.again(name)
         sel = self.obs.selection
         if more and name is not None and sel is not None and not self.obs.needs_l1:
-            self._gather = _Gather.of(sel.in_bin, self.fast.threads)
+            self._gather = _Gather.of(sel.in_bin, self.fast)
         return more
-
-    def _bin_kth(self, queries: Sequence[tuple[np.ndarray, int, int]], above: int) -> list[tuple[int, int, int]]:
-        """``_select.Kth`` on the compute threads: each query's bin answered by kernels.bin_kth."""
-        if not queries:
-            return []
-        return [tuple(int(x) for x in r) for r in self.fast.run_parts(  # type: ignore[misc]
-            [(q,) for q in range(len(queries))], lambda q: kernels.bin_kth(*queries[q], above))]
 
     def _cached_round0(self, job: Job) -> bool | None:
         """Round 0 of ``job`` from the cache: None when it holds no histogram, else whether more rounds follow."""

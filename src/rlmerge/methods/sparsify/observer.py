@@ -16,7 +16,7 @@ import numpy as np
 from ..._torch import torch
 from ...params import per_agent
 from ...stream.blocks import row_length
-from .._select import NO_CUT, ROUNDS, Kth, KthLargest, TieCut
+from .._select import NO_CUT, ROUNDS, Bins, KthLargest, TieCut
 from ..interface import BlockContext, Entries, Observer
 from .l1 import LaneSum, l1_factors
 from .presets import INF, Preset, Prune, magprune_epsilon
@@ -179,14 +179,14 @@ class GtaObserver(Observer):
             return True
         return self._selected(name)
 
-    def gathered(self, name: str, bits: list[np.ndarray], index: list[np.ndarray], kth: Kth | None = None) -> None:
+    def gathered(self, name: str, bins: Bins) -> None:
         """End tensor ``name``'s selection from the values in its queries' bins (``KthLargest.finish``) instead of more
-        rounds; with exact k, the cut comes from their flat indices ``index[q]``, so no stream of the tensor is
-        left to find it (the numba path gathers a bin that is small enough, and answers the queries with ``kth``)."""
+        rounds; with exact k, the cut comes from their flat indices, so no stream of the tensor is left to find it
+        (the numba path gathers a bin that is small enough)."""
         sel = self._sel
         if sel is None or self.preset.prune == "magnitude-global" or self.needs_l1:
             raise RuntimeError(f"{name}: only a per-tensor selection without L1 sums is ended by gathering")
-        sel.finish(bits, kth)
+        sel.finish(bins)
         self._selected(name)
         cut = self.cut
         if cut is None:
@@ -194,12 +194,11 @@ class GtaObserver(Observer):
         thr = cut.thr.view(np.uint32)
         for q, (t, side, _) in enumerate(self._queries):
             if side == 0 and cut.pending[t]:  # the ties are in the bin: take the left(t)-th in flat order
-                ties = index[q][bits[q] == thr[t]]  # (in no order: the threads' parts one after another)
                 left = cut.left(t)
-                if len(ties) < left:
-                    raise RuntimeError(f"{name}: {len(ties)} ties gathered for agent {t}, {left} to keep")
-                at = int(np.partition(ties, left - 1)[left - 1]) if left > 0 else -1  # the left-th in flat order
-                cut.add(t, 0, len(ties), at)
+                count, index = bins.tie(q, int(thr[t]), left)
+                if count < left:
+                    raise RuntimeError(f"{name}: {count} ties gathered for agent {t}, {left} to keep")
+                cut.add(t, 0, count, index)
 
     def _selected(self, name: str | None) -> bool:
         """After the last round: the window and, per tensor, what the trim keeps; True asks for the cut stream."""

@@ -102,11 +102,12 @@ def gather_bin(base, agents, lo, hi, offset, streams, prefix, active, above, sta
 
 
 @njit(nogil=True, cache=True)
-def bin_kth(bits, rank, prefix, above):  # type: ignore[no-untyped-def]
-    """(pattern, greater, equal) of the ``rank``-th largest (1 = largest) of a gathered bin ``bits`` (uint32 |τ|
-    patterns whose bits from ``above`` up equal ``prefix``): the rounds of methods/_select.py that the gather
-    replaced, run on the bin in memory, one 10-bit digit per pass (``above`` is 20 or 10), with how many of the
-    bin's values exceed the answer and how many equal it. _select.kth_in_bins' answer, without a partition."""
+def bin_kth(bits, start, fill, rank, prefix, above):  # type: ignore[no-untyped-def]
+    """(pattern, greater, equal) of the ``rank``-th largest (1 = largest) of a gathered bin: uint32 |τ| patterns whose
+    bits from ``above`` up equal ``prefix``, part k (a compute thread's) in bits[k, start:start + fill[k]]. The rounds
+    of methods/_select.py that the gather replaced, run on the bin in memory, one 10-bit digit per pass (``above``
+    is 20 or 10), with how many of the bin's values exceed the answer and how many equal it: _select.GatheredBins'
+    answer (a partition there)."""
     hist = np.zeros(1 << 10, dtype=np.int64)
     value = np.int64(prefix) << above
     greater = np.int64(0)
@@ -116,10 +117,11 @@ def bin_kth(bits, rank, prefix, above):  # type: ignore[no-untyped-def]
     while shift >= 0:
         hist[:] = 0
         fixed = value >> (shift + 10)
-        for j in range(len(bits)):
-            x = np.int64(bits[j])
-            if (x >> (shift + 10)) == fixed:
-                hist[(x >> shift) & 1023] += 1
+        for k in range(len(fill)):
+            for j in range(start, start + fill[k]):
+                x = np.int64(bits[k, j])
+                if (x >> (shift + 10)) == fixed:
+                    hist[(x >> shift) & 1023] += 1
         digit = 1023
         while digit > 0 and hist[digit] < left:  # the first digit from the top whose count reaches the rank
             left -= hist[digit]
@@ -128,6 +130,27 @@ def bin_kth(bits, rank, prefix, above):  # type: ignore[no-untyped-def]
         value |= np.int64(digit) << shift
         shift -= 10
     return value, greater, hist[digit]
+
+
+@njit(nogil=True, cache=True)
+def bin_tie(bits, index, start, fill, pattern, left):  # type: ignore[no-untyped-def]
+    """(count, at): how many values of a gathered bin (parts as in ``bin_kth``, flat indices beside them in
+    ``index``) equal ``pattern``, and the flat index of the ``left``-th of them in flat order (−1 when left ≤ 0 or
+    fewer are there): _select.GatheredBins.tie."""
+    count = 0
+    for k in range(len(fill)):
+        for j in range(start, start + fill[k]):
+            count += bits[k, j] == pattern
+    if left <= 0 or count < left:
+        return count, np.int64(-1)
+    ties = np.empty(count, dtype=np.int64)
+    at = 0
+    for k in range(len(fill)):
+        for j in range(start, start + fill[k]):
+            if bits[k, j] == pattern:
+                ties[at] = index[k, j]
+                at += 1
+    return count, np.partition(ties, left - 1)[left - 1]
 
 
 @njit(nogil=True, cache=True)
