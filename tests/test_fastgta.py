@@ -276,3 +276,39 @@ def test_gathered_bins_answer_as_numpys(above: int) -> None:
                 assert g.tie(0, pattern, left) == ref.tie(0, pattern, left)
                 if 0 < left <= ties:
                     assert ref.tie(0, pattern, left)[1] == np.sort(index[bits == pattern])[left - 1]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("block", [5, 17, 64, 200])
+def test_tie_cut_scan_split_over_threads_finds_numpys_cut(monkeypatch: pytest.MonkeyPatch, threads: int,
+                                                          block: int) -> None:
+    """The fast path's tie scan (a pending stream's block cut into pieces when fewer streams than threads are
+    pending) finds the cut TieCut.feed's numpy scan finds, block by block: the left-th tie in the first piece,
+    in a later one after earlier pieces held some, exactly at a piece's end, never, and streams that keep none
+    (need 0) or all (need −1) of theirs."""
+    from types import SimpleNamespace
+
+    from rlmerge.methods._select import TieCut
+    from rlmerge.methods.sparsify import fast_select
+
+    monkeypatch.setattr(fast_select, "SCAN_PIECE", 3)
+    gen = np.random.default_rng(block * 10 + threads)
+    n = 200
+    agents = [gen.choice(np.float32([-0.5, -0.25, 0.25, 0.5, 1.0]), n).astype(np.float32) for _ in range(5)]
+    base = np.zeros(n, dtype=np.float32)
+    thr = np.float32([0.5, 0.25, 0.5, 1.0, 0.25])
+    ties = [int((np.abs(a) == t).sum()) for a, t in zip(agents, thr)]
+    needs = [[k, 1, ties[1] - 3, 0, -1] for k in range(0, ties[0] + 2, 7)] + [[ties[0], ties[1], ties[2] + 5, 1, 2]]
+    ran: list[int] = []
+    fast = SimpleNamespace(threads=threads, tau_arg=None,
+                           run_parts=lambda parts, fn: ran.append(len(parts)) or [fn(*p) for p in parts])
+    for need in needs:
+        want, got = TieCut(thr, np.int64(need)), TieCut(thr, np.int64(need))
+        for start in range(0, n, block):
+            hi = min(n, start + block)
+            want.feed(start, np.abs(np.stack([a[start:hi] for a in agents])))
+            fast_select._feed_cut(fast, got, start, base[start:hi], tuple(a[start:hi] for a in agents))
+        assert got.cut.tolist() == want.cut.tolist() and got.pending.tolist() == want.pending.tolist(), need
+        assert got.seen.tolist() == want.seen.tolist()
+    if threads >= 4 and block >= 64:
+        assert max(ran) > 4  # some stream's block was split

@@ -29,6 +29,8 @@ from . import kernels
 from .observer import GtaObserver
 from .presets import Preset, combine_constants
 
+SCAN_PIECE = 1 << 16  # a pending stream's tie scan is split only into pieces at least this long
+
 
 @dataclass(frozen=True)
 class Select:
@@ -289,10 +291,31 @@ class SelectBackend:
 
 
 def _feed_cut(fast: FastPath, cut: TieCut, start: int, base: np.ndarray, agents: Any) -> None:
-    """Feed one block to ``cut``: one scan per stream still pending, on the compute threads, each stopping at the
-    value it is looking for (kernels.tie_scan)."""
+    """Feed one block to ``cut``: the streams still pending scanned on the compute threads, each scan stopping at
+    the value it is looking for (kernels.tie_scan). With fewer pending streams than threads a stream's block is
+    cut into that many pieces scanned side by side (one pending stream used to scan on one thread while the
+    others waited): each piece counts its ties up to the stream's ``left``, and the piece where the running
+    count reaches ``left`` is scanned again for the exact index when an earlier piece held some of them."""
     pending = [int(t) for t in np.flatnonzero(cut.pending)]
-    found = fast.run_parts([(t,) for t in pending], lambda t: kernels.tie_scan(
-        base, agents, 0, base.shape[0], t, cut.thr[t], cut.left(t), fast.tau_arg)) if pending else []
-    for t, (count, index) in zip(pending, found):
-        cut.add(t, start, int(count), int(index))
+    if not pending:
+        return
+    n = base.shape[0]
+    ways = max(1, min(fast.threads // len(pending), n // SCAN_PIECE))
+    step = -(-n // ways)
+    parts = [(t, lo, min(n, lo + step)) for t in pending for lo in range(0, n, step)]
+
+    def scan(t: int, lo: int, hi: int, left: int | None = None) -> tuple[int, int]:
+        return kernels.tie_scan(base, agents, lo, hi, t, cut.thr[t], cut.left(t) if left is None else left,
+                                fast.tau_arg)
+
+    found = dict(zip(parts, fast.run_parts(parts, scan)))
+    for t in pending:
+        left, seen, index = cut.left(t), 0, -1
+        for part in (p for p in parts if p[0] == t):
+            count, at = (int(x) for x in found[part])
+            if left > 0 and seen + count >= left:  # the left-th tie is in this piece
+                index = at if seen == 0 else int(scan(*part, left - seen)[1])
+                seen = left
+                break
+            seen += count
+        cut.add(t, start, seen, index)
