@@ -123,3 +123,32 @@ def test_a_run_interrupted_inside_a_stage_resumes_at_that_stage(
     assert all(t["reused"] for k, t in again["stages"].items() if k != "row Task arithmetic")
     for row in ("Average", "Task arithmetic"):
         assert again["scores"][row] == first["scores"][row]  # the same numbers as the uninterrupted run
+
+
+@pytest.mark.slow
+def test_stages_side_by_side_give_the_same_results(smoke: tuple[Path, dict], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """--jobs 2: the agents, the models' test scores and the merge rows run in two worker processes, and every
+    number is the one-process run's (each stage seeds itself; nothing depends on which process ran it). The
+    stages are saved as in one process: a rerun reads them all back."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from rlmerge.lab import pipeline
+
+    sent: list[str] = []
+
+    class Spy(ProcessPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+            sent.append(fn.__name__)
+            return super().submit(fn, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "ProcessPoolExecutor", Spy)
+    first = smoke[1]["seeds"][0]
+    two = run_lab("smoke", tmp_path / "two", seeds=1, jobs=2)["seeds"][0]
+    assert sent.count("_agent_family") == len(FAMILIES) and sent.count("_score_stage") == 1 + len(FAMILIES)
+    assert sent.count("_row_stage") == len([p for p in METHOD_PLANS if skip_reason(p.method) is None])
+    assert two["scores"] == first["scores"] and two["examples"] == first["examples"]
+    assert two["task_vectors"] == first["task_vectors"] and two["skipped"] == first["skipped"]
+    assert set(two["stages"]) == set(first["stages"]) and not any(t["reused"] for t in two["stages"].values())
+    again = run_lab("smoke", tmp_path / "two", seeds=1)["seeds"][0]
+    assert all(t["reused"] for t in again["stages"].values()) and again["scores"] == first["scores"]

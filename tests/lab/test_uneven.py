@@ -378,7 +378,7 @@ def test_fingerprint_follows_the_markers(tmp_path: Path) -> None:
 
 
 def test_results_are_written_after_each_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def fake_seed(size: Any, out: Path, seed: int, methods: Any) -> pipeline.SeedResult:
+    def fake_seed(size: Any, out: Path, seed: int, methods: Any, jobs: int = 1) -> pipeline.SeedResult:
         if seed == 1:
             raise RuntimeError("the machine went away")
         res = pipeline.SeedResult(seed)

@@ -51,6 +51,15 @@ def lab_command(
             "a rerun into the same --out reuses its base and agents, so new rows can be measured alone."
         ),
     ] = None,
+    jobs: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Run a seed's independent stages side by side in this many processes (one torch thread each): the "
+            "three agents, the models' test scores, the merge rows. Each holds its own model: the smollm2 sizes' "
+            "tool-use GRPO run peaks at ~13-16 GB, the others far less (docs/lab.md).",
+        ),
+    ] = 1,
     unsafe_unisolated_code: o.UnsafeUnisolatedCode = False,
 ) -> None:
     """Train a base and three GRPO agents, merge them with every method, score all on held-out tasks."""
@@ -76,7 +85,7 @@ def lab_command(
             raise _usage_error(f"--rows: unknown row(s) {unknown or rows!r}; the {size} rows are: {', '.join(known)}")
         plans = [known[r] for r in wanted]
     try:
-        summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed, methods=plans)
+        summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed, methods=plans, jobs=jobs)
     except KeyboardInterrupt as stop:  # every finished stage is saved: say so, not "nothing was written"
         stop.rlmerge_hint = (  # type: ignore[attr-defined]
             f"the stages finished before the stop are kept in {out}; the same command resumes at the first "

@@ -14,11 +14,14 @@ and each merge row are saved under `seedN/stages/` as they finish (`stages.py`),
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +74,31 @@ class SeedResult:
 
 def _log(msg: str) -> None:
     print(f"[lab {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)  # as run_lab's own process (see there)
+
+
+@contextmanager
+def _workers(jobs: int) -> Iterator[ProcessPoolExecutor | None]:
+    """``jobs`` processes that run a seed's independent stages side by side (the agents, each model's test scores,
+    the merge rows), or None for one at a time in this process. Spawned, one torch thread each; a stage a worker
+    finishes is saved by it, as in this process, so an interrupted run resumes the same way."""
+    if jobs <= 1:
+        yield None
+        return
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_one_thread) as pool:
+        yield pool
+
+
+def _each(pool: ProcessPoolExecutor | None, fn: Callable[..., Any], items: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """``fn(*item)`` for each item, in ``pool``'s processes when given (the first item first), results in order."""
+    if pool is None:
+        return [fn(*item) for item in items]
+    futures = [pool.submit(fn, *item) for item in items]
+    return [f.result() for f in futures]
 
 
 def _eval_sets(size: LabSize, split: str, n: int, seed: int) -> dict[str, list[Example]]:
@@ -227,69 +255,81 @@ def _failed_attempts(path: Path, wanted: dict[str, Any]) -> list[dict[str, Any]]
     return record["failed"] if record.get("settings") == json.loads(json.dumps(wanted)) else []
 
 
-def train_agents(size: LabSize, base: Path, out: Path, seed: int, res: SeedResult) -> list[Path]:
-    """Each family's agent: reused when its folder holds a finished marker with the size's settings, else
-    trained. With `size.agent_attempts` > 1 an agent must beat the base on its family's validation split (the
-    gate, test examples untouched); one that does not is deleted and trained again with the next training seed
+def _agent_family(size: LabSize, base: Path, out: Path, seed: int, fam: str) -> dict[str, Any]:
+    """One family's agent for ``train_agents`` (a process of its own with --jobs > 1): reused when its folder holds a
+    finished marker with the size's settings, else trained, and gated. Returns its marker (``done``), the failed
+    runs, whether it was reused, the last run's gate, warnings and the wall seconds."""
+    t = time.time()
+    wanted = _agent_settings(size, fam)
+    done = _reuse(out / fam)
+    if done is not None and _stale(done, wanted):
+        _log(f"seed {seed}: agent '{fam}' in {out / fam} was trained with other settings; training it again")
+        done = None
+    history = out / f"{fam}.attempts.json"
+    failed = _failed_attempts(history, wanted)
+    reused = done is not None
+    gate: dict[str, Any] | None = None
+    warnings: list[str] = []
+    while True:
+        if done is None and (out / fam).exists():
+            # an interrupted, outdated or failed training: inside the lab's own --out (workdir.claim)
+            shutil.rmtree(out / fam)
+        if done is not None:
+            _log(f"seed {seed}: GRPO agent '{fam}' reused from {out / fam}")
+        else:
+            g = size.grpo_for(fam)
+            again = f", attempt {len(failed) + 1} of {size.agent_attempts}" if failed else ""
+            _log(f"seed {seed}: GRPO agent '{fam}' ({g.steps} steps, lr {g.lr}, {g.precision}, {g.reward} "
+                 f"reward{again})")
+            clock = Clock()
+            info = train_agent(base, fam, out / fam, g, seed=seed, kind=size.kind,
+                               disjoint_from_test=size.disjoint_from_test, attempt=len(failed))
+            shutil.rmtree(out / fam / "_trainer", ignore_errors=True)
+            done = _finish(out / fam, {**info, **wanted, "attempt": len(failed), **clock.elapsed()})
+        if size.agent_attempts <= 1:
+            break
+        gate = _gate(size, base, out / fam, fam, seed)  # the last run's; a failed run's are in its record
+        done = {**done, "gate": gate}
+        if gate["passed"]:
+            break
+        verdict = (f"{100 * gate['agent']:.1f} % against the base's {100 * gate['base']:.1f} % on {gate['n']} "
+                   "validation examples")
+        if len(failed) + 1 >= size.agent_attempts:
+            warnings.append(f"specialist {fam}: every one of {size.agent_attempts} runs failed the gate; "
+                            "the last is kept")
+            _log(f"seed {seed}: WARNING agent '{fam}' {verdict}, run {len(failed) + 1} of "
+                 f"{size.agent_attempts}: kept")
+            break
+        _log(f"seed {seed}: agent '{fam}' {verdict}: training it again with another seed")
+        failed.append({"attempt": len(failed), **{k: done.get(k) for k in ("gate", "rewards", "density_by_step",
+                                                                         "wall_s", "cpu_s")}})
+        write_json(history, {"settings": wanted, "failed": failed})
+        done, reused = None, False
+    return {"done": done, "failed": failed, "reused": reused, "gate": gate, "warnings": warnings,
+            "seconds": time.time() - t}
+
+
+def train_agents(size: LabSize, base: Path, out: Path, seed: int, res: SeedResult,
+                 pool: ProcessPoolExecutor | None = None) -> list[Path]:
+    """Each family's agent (``_agent_family``; side by side in ``pool``'s processes when given). With
+    `size.agent_attempts` > 1 an agent must beat the base on its family's validation split (the gate, test
+    examples untouched); one that does not is deleted and trained again with the next training seed
     (`train_agent(attempt=k)`), at most that many runs, the last kept with a warning. The failed runs (their
     gate scores, rewards, times) are kept in `<fam>.attempts.json` beside the folder, so a resumed run goes on
     from the next attempt, and reported in `res.training[fam]["failed_attempts"]`."""
-    agents: list[Path] = []
-    for fam in FAMILIES:
-        t = time.time()
-        wanted = _agent_settings(size, fam)
-        done = _reuse(out / fam)
-        if done is not None and _stale(done, wanted):
-            _log(f"seed {seed}: agent '{fam}' in {out / fam} was trained with other settings; training it again")
-            done = None
-        history = out / f"{fam}.attempts.json"
-        failed = _failed_attempts(history, wanted)
-        reused = done is not None
-        while True:
-            if done is None and (out / fam).exists():
-                # an interrupted, outdated or failed training: inside the lab's own --out (workdir.claim)
-                shutil.rmtree(out / fam)
-            if done is not None:
-                _log(f"seed {seed}: GRPO agent '{fam}' reused from {out / fam}")
-            else:
-                g = size.grpo_for(fam)
-                again = f", attempt {len(failed) + 1} of {size.agent_attempts}" if failed else ""
-                _log(f"seed {seed}: GRPO agent '{fam}' ({g.steps} steps, lr {g.lr}, {g.precision}, {g.reward} "
-                     f"reward{again})")
-                clock = Clock()
-                info = train_agent(base, fam, out / fam, g, seed=seed, kind=size.kind,
-                                   disjoint_from_test=size.disjoint_from_test, attempt=len(failed))
-                shutil.rmtree(out / fam / "_trainer", ignore_errors=True)
-                done = _finish(out / fam, {**info, **wanted, "attempt": len(failed), **clock.elapsed()})
-            if size.agent_attempts <= 1:
-                break
-            gate = _gate(size, base, out / fam, fam, seed)
-            _timed(res, f"gate {fam}", gate)  # the last run's; a failed run's are in its record
-            done = {**done, "gate": gate}
-            if gate["passed"]:
-                break
-            verdict = (f"{100 * gate['agent']:.1f} % against the base's {100 * gate['base']:.1f} % on {gate['n']} "
-                       "validation examples")
-            if len(failed) + 1 >= size.agent_attempts:
-                res.warnings.append(f"specialist {fam}: every one of {size.agent_attempts} runs failed the gate; "
-                                    "the last is kept")
-                _log(f"seed {seed}: WARNING agent '{fam}' {verdict}, run {len(failed) + 1} of "
-                     f"{size.agent_attempts}: kept")
-                break
-            _log(f"seed {seed}: agent '{fam}' {verdict}: training it again with another seed")
-            failed.append({"attempt": len(failed), **{k: done.get(k) for k in ("gate", "rewards", "density_by_step",
-                                                                             "wall_s", "cpu_s")}})
-            write_json(history, {"settings": wanted, "failed": failed})
-            done, reused = None, False
+    for fam, r in zip(FAMILIES, _each(pool, _agent_family, [(size, base, out, seed, fam) for fam in FAMILIES])):
+        if r["gate"] is not None:
+            _timed(res, f"gate {fam}", r["gate"])
+        res.warnings += r["warnings"]
+        done, failed = r["done"], r["failed"]
         res.training[fam] = {**done, "failed_attempts": failed}
-        res.timings[f"grpo_{fam}"] = time.time() - t
-        _timed(res, f"agent {fam}", {"reused": reused, **done})
+        res.timings[f"grpo_{fam}"] = r["seconds"]
+        _timed(res, f"agent {fam}", {"reused": r["reused"], **done})
         if failed:
             res.stages[f"agent {fam} failed runs"] = {"wall_s": sum(f["wall_s"] or 0.0 for f in failed),
                                                       "cpu_s": sum(f["cpu_s"] or 0.0 for f in failed),
-                                                      "reused": reused}
-        agents.append(out / fam)
-    return agents
+                                                      "reused": r["reused"]}
+    return [out / fam for fam in FAMILIES]
 
 
 def _merge_row(
@@ -312,6 +352,21 @@ def _merge_row(
     return {"examples": examples, "note": pick_info["note"], "pick": pick_info}
 
 
+def _row_stage(path: Path | None, key: dict[str, Any], plan: MethodPlan, size: LabSize, base: Path, agents: list[Path],
+               work: Path, test: dict[str, list[Example]], seed: int, cache: StatsCache | None = None
+               ) -> dict[str, Any]:
+    """One merge row, saved as a stage at ``path`` (None: not saved), or {"failed": why} when the engine refused
+    its parameters. ``cache``: the statistics shared with the seed's other rows in this process (a worker process
+    of --jobs counts its own)."""
+    def row() -> dict[str, Any]:
+        return _merge_row(plan, size, base, agents, work, test, seed, StatsCache() if cache is None else cache)
+
+    try:
+        return {"result": row()} if path is None else run_stage(path, key, row, _log)
+    except (EngineUnavailable, MergeFailed) as err:  # e.g. an unknown name: reported, the other rows go on
+        return {"failed": f"{type(err).__name__}: {err}"}
+
+
 def run_merges(
     size: LabSize,
     base: Path,
@@ -321,16 +376,19 @@ def run_merges(
     res: SeedResult,
     methods: Sequence[MethodPlan],
     stages: Path | None = None,
+    pool: ProcessPoolExecutor | None = None,
 ) -> None:
     """Every plan: grid on validation (one sweep, float32 merges), the pick scored on test; skips say why.
 
-    With `stages`, each finished row is saved there and a rerun with the same inputs and grid reuses it.
+    With `stages`, each finished row is saved there and a rerun with the same inputs and grid reuses it. With
+    ``pool``, rows run side by side in its processes.
     """
-    cache = StatsCache()  # the rows share the statistics of these inputs (in memory, for this seed)
+    cache = None if pool is not None else StatsCache()  # one process's rows share the statistics of these inputs
     inputs = fingerprint([base, *agents], DONE) if stages is not None else ""
     # the examples a row is chosen on (the sweep's validation split) and scored on (test)
     examples = examples_digest({**{f"val:{f}": v for f, v in _eval_sets(size, "val", size.n_val, res.seed).items()},
                                 **{f"test:{f}": v for f, v in test.items()}}) if stages is not None else ""
+    plans, items = [], []
     for plan in methods:
         reason = plan_skip_reason(plan)
         if reason is not None:
@@ -339,24 +397,19 @@ def run_merges(
             continue
         candidates = plan.candidates()[: size.max_grid]
         _log(f"seed {res.seed}: merge {plan.label} ({len(candidates)} grid points)")
-
-        def row(plan: MethodPlan = plan) -> dict[str, Any]:
-            return _merge_row(plan, size, base, agents, work, test, res.seed, cache)
-
         key = {"method": plan.method, "grid": candidates, "n_val": size.n_val, "n_test": size.n_test,
                "kind": size.kind, "disjoint_from_test": size.disjoint_from_test, "inputs": inputs,
                "examples": examples}
-        try:
-            if stages is None:
-                record = {"result": row()}
-            else:
-                record = run_stage(stages / f"row-{_slug(plan.label)}.json", key, row, _log)
-                _timed(res, f"row {plan.label}", record)
-        except (EngineUnavailable, MergeFailed) as err:
-            # The engine refused these parameters (e.g. an unknown name): report, keep going.
-            res.skipped[plan.label] = f"{type(err).__name__}: {err}"
-            _log(f"seed {res.seed}: {plan.label} failed: {err}")
+        path = stages / f"row-{_slug(plan.label)}.json" if stages is not None else None
+        plans.append(plan)
+        items.append((path, key, plan, size, base, agents, work, test, res.seed, cache))
+    for plan, record in zip(plans, _each(pool, _row_stage, items)):
+        if "failed" in record:
+            res.skipped[plan.label] = record["failed"]
+            _log(f"seed {res.seed}: {plan.label} failed: {record['failed']}")
             continue
+        if stages is not None:
+            _timed(res, f"row {plan.label}", record)
         out = record["result"]
         res.examples[plan.label] = out["examples"]
         res.scores[plan.label] = {f: sum(v) / len(v) for f, v in out["examples"].items()}
@@ -372,24 +425,31 @@ def _task_vectors(base: Path, agents: list[Path]) -> dict[str, Any]:
     return stats
 
 
+def _score_stage(path: Path, key: dict[str, Any], checkpoint: Path, sets: dict[str, list[Example]], kind: Kind
+                 ) -> dict[str, Any]:
+    return run_stage(path, key, lambda: score_checkpoint_each(checkpoint, sets, kind), _log)
+
+
 def _score_models(
     res: SeedResult, models: Sequence[tuple[str, Path]], sets: dict[str, list[Example]], size: LabSize, stages: Path,
-    split: str = "test",
+    split: str = "test", pool: ProcessPoolExecutor | None = None,
 ) -> None:
-    """Each model's 0/1 scores on `sets`, one saved stage per model (keyed by its checkpoint and the split)."""
-    for row, path in models:
-        n = len(next(iter(sets.values())))
-        key = {"split": split, "n": n, "kind": size.kind, "disjoint_from_test": size.disjoint_from_test,
-               "checkpoint": fingerprint([path], DONE), "examples": examples_digest(sets)}
-        record = run_stage(stages / f"{split}-{_slug(row)}.json", key,
-                           lambda path=path: score_checkpoint_each(path, sets, size.kind), _log)
+    """Each model's 0/1 scores on `sets`, one saved stage per model (keyed by its checkpoint and the split); side
+    by side in ``pool``'s processes when given."""
+    n = len(next(iter(sets.values())))
+    items = [(stages / f"{split}-{_slug(row)}.json",
+              {"split": split, "n": n, "kind": size.kind, "disjoint_from_test": size.disjoint_from_test,
+               "checkpoint": fingerprint([path], DONE), "examples": examples_digest(sets)}, path, sets, size.kind)
+             for row, path in models]
+    for (row, _), record in zip(models, _each(pool, _score_stage, items)):
         _timed(res, f"{split} scores {row}", record)
         if split == "test":
             res.examples[row] = record["result"]
             res.scores[row] = {f: sum(v) / len(v) for f, v in record["result"].items()}
 
 
-def prepare_seed(size: LabSize, out: Path, seed: int, res: SeedResult) -> tuple[Path, list[Path]]:
+def prepare_seed(size: LabSize, out: Path, seed: int, res: SeedResult, pool: ProcessPoolExecutor | None = None
+                 ) -> tuple[Path, list[Path]]:
     """Base, agents and their task-vector statistics (each a saved stage); returns (base, agents)."""
     torch.manual_seed(seed)
     base = out / "base"
@@ -404,7 +464,7 @@ def prepare_seed(size: LabSize, out: Path, seed: int, res: SeedResult) -> tuple[
         _timed(res, "base", {**done, "reused": True})
     res.training["base"] = done
     res.timings["base"] = time.time() - t0
-    agents = train_agents(size, base, out / "agents", seed, res)
+    agents = train_agents(size, base, out / "agents", seed, res, pool)
     record = run_stage(out / "stages" / "task_vectors.json", {"inputs": fingerprint([base, *agents], DONE)},
                        lambda: _task_vectors(base, agents), _log)
     _timed(res, "task vectors", record)
@@ -412,14 +472,22 @@ def prepare_seed(size: LabSize, out: Path, seed: int, res: SeedResult) -> tuple[
     return base, agents
 
 
-def run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan]) -> SeedResult:
+def run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan], jobs: int = 1) -> SeedResult:
+    """One seed's whole pipeline; with ``jobs`` > 1 its independent stages (the agents, the models' test scores,
+    the merge rows) run side by side in that many processes."""
+    with _workers(jobs) as pool:
+        return _run_seed(size, out, seed, methods, pool)
+
+
+def _run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan], pool: ProcessPoolExecutor | None
+              ) -> SeedResult:
     res = SeedResult(seed)
-    base, agents = prepare_seed(size, out, seed, res)
+    base, agents = prepare_seed(size, out, seed, res, pool)
     stages = out / "stages"
     test = _eval_sets(size, "test", size.n_test, seed)
     t = time.time()
     models = [("Base", base), *((f"Specialist: {f}", p) for f, p in zip(FAMILIES, agents, strict=True))]
-    _score_models(res, models, test, size, stages)
+    _score_models(res, models, test, size, stages, pool=pool)
     res.timings["score_base_and_specialists"] = time.time() - t
     for fam in FAMILIES:
         # The issue's sanity check on the RL set-up: a specialist must beat the base on its own task.
@@ -427,7 +495,7 @@ def run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan])
             res.warnings.append(f"specialist {fam} does not beat the base on {fam}")
             _log(f"seed {seed}: WARNING specialist {fam} does not beat the base on its own task")
     t = time.time()
-    run_merges(size, base, agents, out / "merges", test, res, methods, stages)
+    run_merges(size, base, agents, out / "merges", test, res, methods, stages, pool)
     res.timings["merges"] = time.time() - t
     t = time.time()
     if size.unique_rows:
@@ -499,10 +567,12 @@ def _summary(
 
 
 def run_lab(
-    size_name: str, out: Path, *, seeds: int = 1, first_seed: int = 0, methods: list[MethodPlan] | None = None
+    size_name: str, out: Path, *, seeds: int = 1, first_seed: int = 0, methods: list[MethodPlan] | None = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Run the whole lab for `seeds` seeds and write results.json, table.md and plot.png into `out`, after each
-    seed (with the seeds finished so far), so that a long run's finished seeds can be read while it goes on."""
+    seed (with the seeds finished so far), so that a long run's finished seeds can be read while it goes on.
+    ``jobs`` > 1: a seed's independent stages run side by side in that many processes (``run_seed``)."""
     ensure_isolation()  # the coding agents' rewards and scores run model-written programs: refused before any work
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(var, "1")
@@ -515,7 +585,7 @@ def run_lab(
     start = time.time()
     results: list[SeedResult] = []
     for s in range(first_seed, first_seed + seeds):
-        results.append(run_seed(size, out / f"seed{s}", s, plans))
+        results.append(run_seed(size, out / f"seed{s}", s, plans, jobs))
         summary = _summary(size, plans, results, time.time() - start)
         scores = {r: [res.scores[r] for res in results if r in res.scores] for r in results[0].scores}
         plot(scores, out / "plot.png", f"rlmerge lab ({size_name}): test accuracy, {len(results)} seed(s)")
