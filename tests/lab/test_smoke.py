@@ -129,7 +129,8 @@ def test_a_run_interrupted_inside_a_stage_resumes_at_that_stage(
 def test_stages_side_by_side_give_the_same_results(smoke: tuple[Path, dict], tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """--jobs 2: the agents, the models' test scores and the merge rows run in two worker processes, and every
-    number is the one-process run's (each stage seeds itself; nothing depends on which process ran it). The
+    number is the one-process run's (each stage seeds itself; nothing depends on which process ran it); the base
+    and agents trained again are the same bytes (what lets saved stages be reused on another machine). The
     stages are saved as in one process: a rerun reads them all back."""
     from concurrent.futures import ProcessPoolExecutor
 
@@ -149,6 +150,40 @@ def test_stages_side_by_side_give_the_same_results(smoke: tuple[Path, dict], tmp
     assert sent.count("_row_stage") == len([p for p in METHOD_PLANS if skip_reason(p.method) is None])
     assert two["scores"] == first["scores"] and two["examples"] == first["examples"]
     assert two["task_vectors"] == first["task_vectors"] and two["skipped"] == first["skipped"]
+    from rlmerge.lab.stages import fingerprint
+
+    for name in ("base", *(f"agents/{f}" for f in FAMILIES)):  # trained again, elsewhere: the same bytes
+        assert fingerprint([smoke[0] / "seed0" / name], pipeline.DONE) == fingerprint(
+            [tmp_path / "two" / "seed0" / name], pipeline.DONE), name
     assert set(two["stages"]) == set(first["stages"]) and not any(t["reused"] for t in two["stages"].values())
     again = run_lab("smoke", tmp_path / "two", seeds=1)["seeds"][0]
     assert all(t["reused"] for t in again["stages"].values()) and again["scores"] == first["scores"]
+
+
+@pytest.mark.slow
+def test_a_new_machine_goes_on_from_the_saved_stage_records(smoke: tuple[Path, dict], tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """What crosses machines is the stage records (collect.sh keeps them in the repository), not the checkpoints:
+    a fresh --out given --stages-from trains the base and agents again (to the same bytes) and reuses every
+    saved test score and merge row instead of computing it."""
+    import shutil
+
+    from rlmerge.errors import InputError
+    from rlmerge.lab import pipeline
+
+    out, summary = smoke
+    first = summary["seeds"][0]
+    saved = tmp_path / "saved"  # what collect.sh copies: seedN/stages/*.json and seedN/agents/*.json
+    shutil.copytree(out / "seed0" / "stages", saved / "seed0" / "stages")
+    (saved / "seed0" / "stages" / "row-Average.json").unlink()  # a row the saved run had not finished
+    real_row, rows = pipeline._merge_row, []
+    monkeypatch.setattr(pipeline, "_merge_row", lambda plan, *a: rows.append(plan.label) or real_row(plan, *a))
+    again = run_lab("smoke", tmp_path / "new", seeds=1, stages_from=saved)["seeds"][0]
+    assert rows == ["Average"]  # only the row that was not saved
+    assert again["scores"] == first["scores"] and again["examples"] == first["examples"]
+    assert not again["stages"]["base"]["reused"] and not again["stages"]["agent coding"]["reused"]
+    reused = {k for k, t in again["stages"].items() if t["reused"]}
+    assert reused == {k for k in first["stages"] if k.startswith(("row ", "test scores", "task vectors"))} - {
+        "row Average"}
+    with pytest.raises(InputError, match="no such folder"):
+        run_lab("smoke", tmp_path / "other", seeds=1, stages_from=tmp_path / "missing")

@@ -221,9 +221,10 @@ def test_a_stage_that_fails_leaves_nothing_that_reads_as_finished(tmp_path: Path
     assert not (tmp_path / "s.json").exists()
 
 
-def _fake_agent(folder: Path, info: dict[str, Any]) -> None:
+def _fake_agent(folder: Path, info: dict[str, Any], weights: str = "weights") -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / pipeline.DONE).write_text(json.dumps(info))
+    (folder / "model.safetensors").write_text(weights)  # what the stages' fingerprint reads
 
 
 def _small_uneven() -> Any:
@@ -277,6 +278,7 @@ def test_an_agent_that_does_not_beat_the_base_on_validation_is_trained_again(
     def fake_train(base: Path, fam: str, out: Path, settings: GRPOSettings, **kw: Any) -> dict[str, Any]:
         trained.append((fam, kw["attempt"]))
         out.mkdir(parents=True)
+        (out / "model.safetensors").write_text(f"{fam} {kw['attempt']}")  # another training seed: other weights
         return {"train_seconds": 1.0, "rewards": [0.1 * kw["attempt"]], "density_by_step": [1.0]}
 
     def fake_score(path: Path, sets: dict[str, list[Any]], kind: str) -> dict[str, list[float]]:
@@ -345,7 +347,10 @@ def test_finished_merge_rows_are_skipped_until_their_inputs_change(
     second = run()
     assert calls == ["Task arithmetic", "Average"] and second.scores == first.scores
     assert second.stages["row Average"]["reused"] and second.notes["Task arithmetic"] == "scaling=1.0"
-    _fake_agent(agents[0], {"train_seconds": 2.0})  # the tool agent retrained: every row is stale
+    _fake_agent(agents[0], {"train_seconds": 2.0})  # trained again to the same weights (another machine)
+    run()
+    assert calls[2:] == []
+    _fake_agent(agents[0], {"train_seconds": 2.0}, weights="other")  # the tool agent changed: every row is stale
     run()
     assert calls[2:] == ["Task arithmetic", "Average"]
 
@@ -369,12 +374,22 @@ def test_a_row_of_one_point_records_no_validation_score(tmp_path: Path, monkeypa
     assert [v["val_average"] for v in two["validation"]] == [0.5, 0.51] and two["params"] == {"scaling": 2.0}
 
 
-def test_fingerprint_follows_the_markers(tmp_path: Path) -> None:
+def test_fingerprint_follows_the_files_not_the_marker(tmp_path: Path) -> None:
+    """A stage's key holds what its checkpoints are: a new marker (another training time) over the same weights
+    keeps it, so stages saved elsewhere are reused after a deterministic retraining; any file's bytes, or the
+    folder's name, change it."""
     _fake_agent(tmp_path / "a", {"train_seconds": 1.0})
     before = fingerprint([tmp_path / "a"], pipeline.DONE)
     assert fingerprint([tmp_path / "a"], pipeline.DONE) == before
     _fake_agent(tmp_path / "a", {"train_seconds": 1.5})
+    assert fingerprint([tmp_path / "a"], pipeline.DONE) == before
+    (tmp_path / "a" / "config.json").write_text("{}")
     assert fingerprint([tmp_path / "a"], pipeline.DONE) != before
+    (tmp_path / "a" / "config.json").unlink()
+    _fake_agent(tmp_path / "a", {"train_seconds": 1.5}, weights="weightz")  # same size, other bytes
+    assert fingerprint([tmp_path / "a"], pipeline.DONE) != before
+    _fake_agent(tmp_path / "b", {"train_seconds": 1.0})
+    assert fingerprint([tmp_path / "b"], pipeline.DONE) != before
 
 
 def test_results_are_written_after_each_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

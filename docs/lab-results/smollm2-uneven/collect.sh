@@ -4,7 +4,8 @@
 # Seeds run side by side (one `rlmerge lab --first-seed S --seeds 1 --out OUT_S` each) are collected together;
 # each run's log is OUT.log beside its folder:
 #   bash docs/lab-results/smollm2-uneven/collect.sh /work/lab-runs/uneven2 /work/lab-runs/uneven2-s1
-# Writes results-<run>.json, table-<run>.md and run-<run>.log per run, plot.png and tables.md over all of them.
+# Writes results-<run>.json, table-<run>.md and run-<run>.log per run, plot.png and tables.md over all of them, and
+# saved-<run>/seedN/{stages,agents}/*.json: the stage records, also of a seed not finished yet.
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: collect.sh OUT [OUT ...]   (the --out folders of the run's seeds)" >&2; exit 1; }
 here=$(cd "$(dirname "$0")" && pwd)
@@ -13,18 +14,29 @@ files=()
 for out in "$@"; do
   out=${out%/}
   name=$(basename "$out")
+  # the stage records (each seed's test scores, merge rows, task vectors, agents' gates): a run on another machine
+  # goes on from them with --stages-from "$here/saved-$name" after training its base and agents again
+  for seed in "$out"/seed*/; do
+    seed=$(basename "$seed")
+    for sub in stages agents; do
+      if compgen -G "$out/$seed/$sub/*.json" > /dev/null; then
+        mkdir -p "$here/saved-$name/$seed/$sub"
+        cp "$out/$seed/$sub/"*.json "$here/saved-$name/$seed/$sub/"
+      fi
+    done
+  done
+  if [ -f "$out.log" ]; then
+    grep -v -E "Loading weights|warnings.warn|FutureWarning|de-quantizing|Writing model shards|it/s\]" "$out.log" \
+      > "$here/run-$name.log" || true
+  fi
   if [ ! -f "$out/results.json" ]; then
-    echo "no $out/results.json yet: no seed of that run has finished (left out)" >&2
+    echo "no $out/results.json yet: no seed of that run has finished (its stage records saved in saved-$name)" >&2
     continue
   fi
   cp "$out/results.json" "$here/results-$name.json"
   cp "$out/table.md" "$here/table-$name.md"
   files+=("$here/results-$name.json")
-  if [ -f "$out.log" ]; then
-    grep -v -E "Loading weights|warnings.warn|FutureWarning|de-quantizing|Writing model shards|it/s\]" "$out.log" \
-      > "$here/run-$name.log" || true
-  fi
 done
-[ ${#files[@]} -ge 1 ] || { echo "no run has finished a seed yet" >&2; exit 1; }
+[ ${#files[@]} -ge 1 ] || { echo "no run has finished a seed yet (stage records saved)" >&2; exit 0; }
 cd "$repo" && PYTHONPATH=src "${PYTHON:-python}" -m rlmerge.lab.writeup --uneven "${files[@]}" \
   --uneven-plot "$here/plot.png" | tee "$here/tables.md"

@@ -60,6 +60,15 @@ def lab_command(
             "tool-use GRPO run peaks at ~13-16 GB, the others far less (docs/lab.md).",
         ),
     ] = 1,
+    stages_from: Annotated[
+        Path | None,
+        typer.Option(
+            help="Stage records saved from an earlier run of these seeds (a saved-<run> folder that "
+            "docs/lab-results/*/collect.sh wrote): copied into --out where it has none, each used only if its "
+            "key matches, so a run goes on from them on a new machine after its base and agents are trained "
+            "again (to the same bytes).",
+        ),
+    ] = None,
     unsafe_unisolated_code: o.UnsafeUnisolatedCode = False,
 ) -> None:
     """Train a base and three GRPO agents, merge them with every method, score all on held-out tasks."""
@@ -85,7 +94,8 @@ def lab_command(
             raise _usage_error(f"--rows: unknown row(s) {unknown or rows!r}; the {size} rows are: {', '.join(known)}")
         plans = [known[r] for r in wanted]
     try:
-        summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed, methods=plans, jobs=jobs)
+        summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed, methods=plans, jobs=jobs,
+                                   stages_from=stages_from)
     except KeyboardInterrupt as stop:  # every finished stage is saved: say so, not "nothing was written"
         stop.rlmerge_hint = (  # type: ignore[attr-defined]
             f"the stages finished before the stop are kept in {out}; the same command resumes at the first "

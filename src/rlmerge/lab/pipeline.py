@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from rlmerge.errors import InputError
 from rlmerge.lab.density import PAPER_DENSITY, PAPER_UNIQUE_SHARE, task_vector_stats
 from rlmerge.lab.evaluate import score_checkpoint_each
 from rlmerge.lab.grid import evaluate_candidates, grid_position, pick
@@ -566,13 +567,33 @@ def _summary(
     }
 
 
+def restore_stages(saved: Path, out: Path, seeds: range) -> list[Path]:
+    """Copy the stage records a run saved elsewhere (``collect.sh``: ``seedN/stages/*.json`` and the agents' gate
+    and attempt records, ``seedN/agents/*.json``) into this run's ``out`` where it has none of its own; returns
+    what was copied. A record is used only if its key matches: the checkpoints' files are fingerprinted, and the
+    lab's training is deterministic, so after the base and agents are trained again to the same bytes every saved
+    stage is reused, on any machine; one that does not match is recomputed."""
+    copied = []
+    for s in seeds:
+        for sub in ("stages", "agents"):
+            src = saved / f"seed{s}" / sub
+            for record in sorted(src.glob("*.json")) if src.is_dir() else []:
+                dst = out / f"seed{s}" / sub / record.name
+                if not dst.exists():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(record, dst)
+                    copied.append(dst)
+    return copied
+
+
 def run_lab(
     size_name: str, out: Path, *, seeds: int = 1, first_seed: int = 0, methods: list[MethodPlan] | None = None,
-    jobs: int = 1,
+    jobs: int = 1, stages_from: Path | None = None,
 ) -> dict[str, Any]:
     """Run the whole lab for `seeds` seeds and write results.json, table.md and plot.png into `out`, after each
     seed (with the seeds finished so far), so that a long run's finished seeds can be read while it goes on.
-    ``jobs`` > 1: a seed's independent stages run side by side in that many processes (``run_seed``)."""
+    ``jobs`` > 1: a seed's independent stages run side by side in that many processes (``run_seed``).
+    ``stages_from``: stage records saved from another run of these seeds (``restore_stages``)."""
     ensure_isolation()  # the coding agents' rewards and scores run model-written programs: refused before any work
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(var, "1")
@@ -581,7 +602,13 @@ def run_lab(
     torch.set_num_threads(1)
     size = SIZES[size_name]
     plans = list(methods if methods is not None else size.methods)
-    claim(out)
+    claim(out, [stages_from] if stages_from is not None else [])
+    if stages_from is not None:
+        if not stages_from.is_dir():
+            raise InputError(f"--stages-from {stages_from}: no such folder",
+                             hint="give a saved-<run> folder that docs/lab-results/*/collect.sh wrote")
+        copied = restore_stages(stages_from, out, range(first_seed, first_seed + seeds))
+        _log(f"{len(copied)} saved stage records copied from {stages_from} (each used only if its key matches)")
     start = time.time()
     results: list[SeedResult] = []
     for s in range(first_seed, first_seed + seeds):

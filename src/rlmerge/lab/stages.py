@@ -3,7 +3,7 @@
 A stage (a row's grid and test scores, the task-vector statistics, one model's test scores) is a function
 whose result is JSON. `run_stage` runs it once and writes `{key, result, wall_s, cpu_s}` to its file; a later
 call with the same key reads the file instead of running it again. The key says what decided the result (the
-row's grid, the split sizes, a fingerprint of the checkpoints it read), so a stage whose inputs changed (an
+row's grid, the split sizes, a fingerprint of the checkpoints' files it read), so a stage whose inputs changed (an
 agent retrained with other settings) runs again instead of being reused stale.
 
 Times: wall seconds, and CPU seconds of this process and of the children it waited for (the coding verifier's
@@ -52,13 +52,27 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def _file_hash(path: Path) -> str:
+    h = hashlib.sha256()  # (~1.7 GB/s here: a SmolLM2 base and three agents in ~0.6 s, a dozen times a seed)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def fingerprint(folders: Sequence[Path], marker: str) -> str:
-    """A short hash of the finished-stage markers of the checkpoints a stage reads: a retrained agent (a new
-    marker, with its own training time) changes it, so everything computed from the old agent is redone."""
+    """A short hash of what the checkpoints a stage reads hold: each folder's name and its files' contents (the
+    weights, config, tokenizer), not its finished-stage ``marker`` (which records when and how long it trained). A
+    retrained agent with other weights changes it, so everything computed from the old one is redone; an agent
+    trained again to the same bytes (GRPO here is deterministic: seeded, one thread) keeps it, so stages saved on
+    another machine (docs/lab-results) are reused after the agents are trained again."""
     h = hashlib.sha256()
     for folder in folders:
-        h.update(str(Path(folder).name).encode())
-        h.update((Path(folder) / marker).read_bytes())
+        folder = Path(folder)
+        h.update(folder.name.encode())
+        for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != marker):
+            h.update(path.name.encode())
+            h.update(_file_hash(path).encode())
     return h.hexdigest()[:16]
 
 
