@@ -478,3 +478,21 @@ def test_an_interrupted_lab_run_says_its_finished_stages_are_kept(
     said = " ".join(capsys.readouterr().err.split())
     assert "nothing was written" not in said
     assert "kept in" in said and "lab-out" in said and "resumes" in said
+
+
+def test_a_stop_ends_the_workers_stages_at_once(tmp_path: Path) -> None:
+    """--jobs: when the run stops (Ctrl-C reaching only the main process, or a stage that failed), the workers'
+    stages end with it instead of the run waiting for them to finish."""
+    import multiprocessing
+    import time
+
+    start = time.time()
+    with pytest.raises(KeyboardInterrupt), pipeline._workers(2) as pool:
+        assert pool is not None
+        pool.submit(time.sleep, 60)
+        pool.submit(time.sleep, 60)
+        time.sleep(2)  # both workers started
+        raise KeyboardInterrupt
+    while multiprocessing.active_children() and time.time() - start < 20:  # reaped by the executor's thread
+        time.sleep(0.1)
+    assert not multiprocessing.active_children() and time.time() - start < 20  # not the 60 s of their stages

@@ -89,9 +89,22 @@ def _workers(jobs: int) -> Iterator[ProcessPoolExecutor | None]:
     if jobs <= 1:
         yield None
         return
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_one_thread) as pool:
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_one_thread)
+    try:
         yield pool
+    except BaseException:
+        # a stop (SIGINT to this process alone, or a stage that failed) ends the workers' stages too: waiting for
+        # them would hold the run for up to an hour; a stage stopped midway wrote nothing and runs again on resume
+        pool.shutdown(wait=False, cancel_futures=True)
+        workers = multiprocessing.active_children()
+        for worker in workers:
+            worker.terminate()
+        deadline = time.time() + 30  # (the executor's own thread may reap them first: poll, do not join)
+        while any(w.is_alive() for w in workers) and time.time() < deadline:
+            time.sleep(0.05)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _each(pool: ProcessPoolExecutor | None, fn: Callable[..., Any], items: Sequence[tuple[Any, ...]]) -> list[Any]:
