@@ -496,3 +496,15 @@ def test_a_stop_ends_the_workers_stages_at_once(tmp_path: Path) -> None:
     while multiprocessing.active_children() and time.time() - start < 20:  # reaped by the executor's thread
         time.sleep(0.1)
     assert not multiprocessing.active_children() and time.time() - start < 20  # not the 60 s of their stages
+
+
+def test_a_worker_killed_midway_is_named_with_what_to_do() -> None:
+    """--jobs: a worker the system kills (out of memory, as a GRPO run beside a test suite was on 2026-12-06) ends
+    the run with an error that says so and how to go on, not a BrokenProcessPool traceback."""
+    import os
+
+    from rlmerge.errors import RLMergeError
+
+    with pytest.raises(RLMergeError, match="worker process of --jobs died") as err, pipeline._workers(2) as pool:
+        pipeline._each(pool, os._exit, [(9,)])
+    assert "--jobs 1" in str(err.value)

@@ -21,6 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from rlmerge.errors import InputError
+from rlmerge.errors import InputError, RLMergeError
 from rlmerge.lab.density import PAPER_DENSITY, PAPER_UNIQUE_SHARE, task_vector_stats
 from rlmerge.lab.evaluate import score_checkpoint_each
 from rlmerge.lab.grid import evaluate_candidates, grid_position, pick
@@ -112,7 +113,14 @@ def _each(pool: ProcessPoolExecutor | None, fn: Callable[..., Any], items: Seque
     if pool is None:
         return [fn(*item) for item in items]
     futures = [pool.submit(fn, *item) for item in items]
-    return [f.result() for f in futures]
+    try:
+        return [f.result() for f in futures]
+    except BrokenProcessPool as err:
+        raise RLMergeError(
+            "a worker process of --jobs died while it ran a stage: the system killed it, most likely for memory "
+            "(each worker holds its own model; the smollm2 sizes' tool-use GRPO run ~15 GB)",
+            hint="the stages finished before it are kept: run the same command again, with --jobs 1 or with more "
+            "memory free (nothing large beside it)") from err
 
 
 def _eval_sets(size: LabSize, split: str, n: int, seed: int) -> dict[str, list[Example]]:
