@@ -508,3 +508,61 @@ def test_a_worker_killed_midway_is_named_with_what_to_do() -> None:
     with pytest.raises(RLMergeError, match="worker process of --jobs died") as err, pipeline._workers(2) as pool:
         pipeline._each(pool, os._exit, [(9,)])
     assert "--jobs 1" in str(err.value)
+
+
+_SIGTERM_SCRIPT = """
+import multiprocessing, sys, time
+from rlmerge.cli import main
+from rlmerge.lab import pipeline
+
+def run_lab(size, out, *, jobs=1, **kwargs):  # the lab's stages as long sleeps in its --jobs workers
+    with pipeline._workers(jobs) as pool:
+        futures = [pool.submit(time.sleep, 120) for _ in range(jobs)]
+        while len(multiprocessing.active_children()) < jobs:
+            time.sleep(0.05)
+        print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+        [f.result() for f in futures]
+
+if __name__ == "__main__":
+    pipeline.run_lab = run_lab
+    sys.exit(main(["lab", "--size", "tiny", "--jobs", "2", "--out", sys.argv[1]]))
+"""
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie waiting for its parent."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_sigterm_to_the_main_process_alone_ends_the_workers(tmp_path: Path) -> None:
+    """--jobs: a job scheduler's timeout (SIGTERM to the lab's process, not its group) ends the workers' stages too,
+    and the command exits as interrupted (130), instead of leaving workers that write stage records after it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "lab_sigterm.py"
+    script.write_text(_SIGTERM_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        workers = [int(p) for p in proc.stdout.readline().split()]
+        assert len(workers) == 2 and all(_running(p) for p in workers)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+        deadline = time.time() + 20
+        while any(_running(p) for p in workers) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(p) for p in workers)  # not the 120 s of their stages
+        assert proc.stderr is not None and "kept in" in " ".join(proc.stderr.read().split())
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
