@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from numba import njit
-from safetensors import safe_open
 
 from rlmerge.kernels.codec import _dec, _f32_as_u32, _tau
 from rlmerge.methods.sparsify.kernels import della
+from rlmerge.methods.sparsify.kernels.della import _ABS
 
-_ABS = np.uint32(0x7FFFFFFF)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from select_kernels import best, bf16_bits, bf16_tensor, bits  # noqa: E402  (benchmarks/ is not a package)
 
 
 @njit(nogil=True)
@@ -36,23 +38,6 @@ def _keys_only(a, b, n, row, keys, tau):  # type: ignore[no-untyped-def]
     return acc
 
 
-def _bf16(path: Path, name: str) -> tuple[np.ndarray, list[int]]:
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        t = f.get_tensor(name)
-    if t.dtype != torch.bfloat16:
-        raise SystemExit(f"{path}/model.safetensors: tensor {name} is {t.dtype}, this benchmark reads bf16 sets")
-    return t.view(torch.int16).numpy().view(np.uint16).reshape(-1), list(t.shape)
-
-
-def _best(fn, fn_args: tuple, repeat: int) -> float:  # type: ignore[no-untyped-def]
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.thread_time()
-        fn(*fn_args)
-        best = min(best, time.thread_time() - start)
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("set", type=Path, help="a benchmark set folder (manifest.json, base/, one folder per agent)")
@@ -60,7 +45,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="timings per kernel; the fastest is printed")
     args = ap.parse_args()
     agents = sorted(p.name for p in args.set.iterdir() if p.is_dir() and p.name != "base")
-    base, shape = _bf16(args.set / "base", args.tensor)
+    t = bf16_tensor(args.set / "base", args.tensor)
+    shape, base = list(t.shape), bits(t)
     row, n = shape[-1], base.shape[0]
     manifest = json.loads((args.set / "manifest.json").read_text()) if (args.set / "manifest.json").exists() else {}
     print(f"{args.set} ({manifest.get('shape', {}).get('arch', '?')}), {args.tensor} {shape}: rows of {row}, "
@@ -70,12 +56,12 @@ def main() -> None:
     work, hist = della.scratch(row)
     keys = np.empty(row, dtype=np.uint32)
     for name in agents:
-        a, _ = _bf16(args.set / name, args.tensor)
+        a = bf16_bits(args.set / name, args.tensor)
         ranks = np.empty((1, n), dtype=np.uint32)
         della.rank_span(base, a[None], 0, n, row, ranks, work, hist, None)  # compile / warm
         _keys_only(a, base, n, row, keys, None)
-        t_rank = _best(della.rank_span, (base, a[None], 0, n, row, ranks, work, hist, None), args.repeat)
-        t_keys = _best(_keys_only, (a, base, n, row, keys, None), args.repeat)
+        t_rank = best(partial(della.rank_span, base, a[None], 0, n, row, ranks, work, hist, None), args.repeat)
+        t_keys = best(partial(_keys_only, a, base, n, row, keys, None), args.repeat)
         tau = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).float() - \
             torch.from_numpy(base.view(np.int16)).view(torch.bfloat16).float()
         ref = torch.argsort(tau.abs().view(-1, row), dim=1, stable=True).argsort(dim=1).view(-1).numpy()

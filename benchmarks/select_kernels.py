@@ -22,20 +22,31 @@ from rlmerge.methods._select import BINS, KthLargest
 from rlmerge.methods.sparsify import kernels as k
 
 
-def bf16_bits(folder: Path, name: str, n: int) -> np.ndarray:
+def bf16_tensor(folder: Path, name: str) -> torch.Tensor:
+    """Tensor ``name`` of the checkpoint in ``folder`` (any of its shards), which must be bfloat16."""
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(f, "pt") as h:
             if name in h.keys():  # noqa: SIM118 (safe_open has keys(), no __contains__)
-                t = h.get_tensor(name).reshape(-1)[:n]
+                t = h.get_tensor(name)
                 if t.dtype != torch.bfloat16:
                     raise SystemExit(f"{f}: {name} is {t.dtype}, this script reads bfloat16 sets")
-                return t.view(torch.int16).numpy().view(np.uint16).copy()
+                return t
     raise SystemExit(f"{folder}: no tensor {name}")
 
 
-def best(fn) -> float:  # type: ignore[no-untyped-def]
+def bits(t: torch.Tensor, n: int | None = None) -> np.ndarray:
+    """The first ``n`` elements (None: all) of the bfloat16 tensor ``t``, flat, as their uint16 bits."""
+    return t.reshape(-1)[:n].view(torch.int16).numpy().view(np.uint16).copy()
+
+
+def bf16_bits(folder: Path, name: str, n: int | None = None) -> np.ndarray:
+    return bits(bf16_tensor(folder, name), n)
+
+
+def best(fn, repeat: int = 3) -> float:  # type: ignore[no-untyped-def]
+    """The least CPU time of this thread over ``repeat`` calls of ``fn()``."""
     times = []
-    for _ in range(3):
+    for _ in range(repeat):
         t = time.thread_time()
         fn()
         times.append(time.thread_time() - t)
