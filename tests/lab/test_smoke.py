@@ -134,16 +134,16 @@ def test_stages_side_by_side_give_the_same_results(smoke: tuple[Path, dict], tmp
     stages are saved as in one process: a rerun reads them all back."""
     from concurrent.futures import ProcessPoolExecutor
 
-    from rlmerge.lab import pipeline
+    from rlmerge.lab import jobs, pipeline
 
     sent: list[str] = []
 
     class Spy(ProcessPoolExecutor):
         def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
-            sent.append(fn.__name__)
+            sent.append(args[0].__name__)  # memory.measured(stage, *its args)
             return super().submit(fn, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "ProcessPoolExecutor", Spy)
+    monkeypatch.setattr(jobs, "ProcessPoolExecutor", Spy)
     first = smoke[1]["seeds"][0]
     two = run_lab("smoke", tmp_path / "two", seeds=1, jobs=2)["seeds"][0]
     assert sent.count("_agent_family") == len(FAMILIES) and sent.count("_score_stage") == 1 + len(FAMILIES)
@@ -176,10 +176,14 @@ def test_a_new_machine_goes_on_from_the_saved_stage_records(smoke: tuple[Path, d
     saved = tmp_path / "saved"  # what collect.sh copies: seedN/stages/*.json and seedN/agents/*.json
     shutil.copytree(out / "seed0" / "stages", saved / "seed0" / "stages")
     (saved / "seed0" / "stages" / "row-Average.json").unlink()  # a row the saved run had not finished
+    # the stages' peaks, for --jobs to plan with (one larger than any this run will measure: kept, as the largest)
+    (saved / "memory.json").write_text(json.dumps({"peak_bytes": {"agent tool_use": 1 << 40}}))
     real_row, rows = pipeline._merge_row, []
     monkeypatch.setattr(pipeline, "_merge_row", lambda plan, *a: rows.append(plan.label) or real_row(plan, *a))
     again = run_lab("smoke", tmp_path / "new", seeds=1, stages_from=saved)["seeds"][0]
     assert rows == ["Average"]  # only the row that was not saved
+    peaks = json.loads((tmp_path / "new" / "memory.json").read_text())["peak_bytes"]
+    assert peaks["agent tool_use"] == 1 << 40 and {"agent coding", "row Average"} <= set(peaks)
     assert again["scores"] == first["scores"] and again["examples"] == first["examples"]
     assert not again["stages"]["base"]["reused"] and not again["stages"]["agent coding"]["reused"]
     reused = {k for k, t in again["stages"].items() if t["reused"]}

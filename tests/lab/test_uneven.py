@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlmerge.errors import ConfigError
-from rlmerge.lab import pipeline
+from rlmerge.lab import jobs, pipeline
 from rlmerge.lab.grpo import DensityTrace, GRPOSettings, reward_function
 from rlmerge.lab.merging import SMOLLM2_UNEVEN_GRIDS, MethodPlan
 from rlmerge.lab.paired import PAIRS
@@ -393,7 +393,8 @@ def test_fingerprint_follows_the_files_not_the_marker(tmp_path: Path) -> None:
 
 
 def test_results_are_written_after_each_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def fake_seed(size: Any, out: Path, seed: int, methods: Any, jobs: int = 1) -> pipeline.SeedResult:
+    def fake_seed(size: Any, out: Path, seed: int, methods: Any, jobs: int = 1, book: Any = None
+                  ) -> pipeline.SeedResult:
         if seed == 1:
             raise RuntimeError("the machine went away")
         res = pipeline.SeedResult(seed)
@@ -487,10 +488,10 @@ def test_a_stop_ends_the_workers_stages_at_once(tmp_path: Path) -> None:
     import time
 
     start = time.time()
-    with pytest.raises(KeyboardInterrupt), pipeline._workers(2) as pool:
-        assert pool is not None
-        pool.submit(time.sleep, 60)
-        pool.submit(time.sleep, 60)
+    with pytest.raises(KeyboardInterrupt), jobs.workers_for(2) as workers:
+        assert workers.pool is not None
+        workers.pool.submit(time.sleep, 60)
+        workers.pool.submit(time.sleep, 60)
         time.sleep(2)  # both workers started
         raise KeyboardInterrupt
     while multiprocessing.active_children() and time.time() - start < 20:  # reaped by the executor's thread
@@ -505,19 +506,19 @@ def test_a_worker_killed_midway_is_named_with_what_to_do() -> None:
 
     from rlmerge.errors import RLMergeError
 
-    with pytest.raises(RLMergeError, match="worker process of --jobs died") as err, pipeline._workers(2) as pool:
-        pipeline._each(pool, os._exit, [(9,)])
+    with pytest.raises(RLMergeError, match="worker process of --jobs died") as err, jobs.workers_for(2) as workers:
+        jobs.each(workers, os._exit, [(9,)], ["agent tool_use"])
     assert "--jobs 1" in str(err.value)
 
 
 _SIGTERM_SCRIPT = """
 import multiprocessing, sys, time
 from rlmerge.cli import main
-from rlmerge.lab import pipeline
+from rlmerge.lab import jobs as lab_jobs, pipeline
 
 def run_lab(size, out, *, jobs=1, **kwargs):  # the lab's stages as long sleeps in its --jobs workers
-    with pipeline._workers(jobs) as pool:
-        futures = [pool.submit(time.sleep, 120) for _ in range(jobs)]
+    with lab_jobs.workers_for(jobs) as workers:
+        futures = [workers.pool.submit(time.sleep, 120) for _ in range(jobs)]
         while len(multiprocessing.active_children()) < jobs:
             time.sleep(0.05)
         print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)

@@ -5,7 +5,8 @@
 # each run's log is OUT.log beside its folder:
 #   bash docs/lab-results/smollm2-uneven/collect.sh /work/lab-runs/uneven2 /work/lab-runs/uneven2-s1
 # Writes results-<run>.json, table-<run>.md and run-<run>.log per run, plot.png and tables.md over all of them, and
-# saved-<run>/seedN/{stages,agents}/*.json: the stage records, also of a seed not finished yet.
+# saved-<run>/seedN/{stages,agents}/*.json: the stage records, also of a seed not finished yet (and
+# saved-<run>/memory.json, the stages' measured memory peaks).
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: collect.sh OUT [OUT ...]   (the --out folders of the run's seeds)" >&2; exit 1; }
 here=$(cd "$(dirname "$0")" && pwd)
@@ -25,6 +26,11 @@ for out in "$@"; do
       fi
     done
   done
+  # the peaks each stage's process took (--jobs plans with them: a new machine starts with measured estimates)
+  if [ -f "$out/memory.json" ]; then
+    mkdir -p "$here/saved-$name"
+    cp "$out/memory.json" "$here/saved-$name/memory.json"
+  fi
   if [ -f "$out.log" ]; then
     grep -v -E "Loading weights|warnings.warn|FutureWarning|de-quantizing|Writing model shards|it/s\]" "$out.log" \
       > "$here/run-$name.log" || true

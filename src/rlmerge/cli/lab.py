@@ -55,11 +55,20 @@ def lab_command(
         int,
         typer.Option(
             min=1,
-            help="Run a seed's independent stages side by side in this many processes (one torch thread each): the "
-            "three agents, the models' test scores, the merge rows. Each holds its own model: the smollm2 sizes' "
-            "tool-use GRPO run peaks at ~13-16 GB, the others far less (docs/lab.md).",
+            help="Run a seed's independent stages side by side in up to this many processes (one torch thread "
+            "each): the three agents, the models' test scores, the merge rows. Each holds its own model (the "
+            "smollm2 sizes' tool-use GRPO run peaks near 17 GB), so a stage starts only while the measured peaks "
+            "of the running ones and its own fit --memory-gb (recorded in OUT/memory.json; docs/lab.md).",
         ),
     ] = 1,
+    memory_gb: Annotated[
+        float | None,
+        typer.Option(
+            min=0.1,
+            help="With --jobs: the memory (GB) the stages running together may take. Default: 90 % of what the "
+            "system has available as each batch of stages starts.",
+        ),
+    ] = None,
     stages_from: Annotated[
         Path | None,
         typer.Option(
@@ -95,7 +104,7 @@ def lab_command(
         plans = [known[r] for r in wanted]
     try:
         summary = pipeline.run_lab(size, out, seeds=seeds, first_seed=first_seed, methods=plans, jobs=jobs,
-                                   stages_from=stages_from)
+                                   stages_from=stages_from, memory_gb=memory_gb)
     except KeyboardInterrupt as stop:  # every finished stage is saved: say so, not "nothing was written"
         stop.rlmerge_hint = (  # type: ignore[attr-defined]
             f"the stages finished before the stop are kept in {out}; the same command resumes at the first "

@@ -14,26 +14,23 @@ and each merge row are saved under `seedN/stages/` as they finish (`stages.py`),
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlmerge.errors import InputError, RLMergeError
+from rlmerge.errors import InputError
 from rlmerge.lab.density import PAPER_DENSITY, PAPER_UNIQUE_SHARE, task_vector_stats
 from rlmerge.lab.evaluate import score_checkpoint_each
 from rlmerge.lab.grid import evaluate_candidates, grid_position, pick
 from rlmerge.lab.grpo import train_agent
+from rlmerge.lab.jobs import GB, MemoryBook, Workers, each, workers_for
 from rlmerge.lab.merging import (
     EngineUnavailable,
     MergeFailed,
@@ -76,51 +73,6 @@ class SeedResult:
 
 def _log(msg: str) -> None:
     print(f"[lab {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _one_thread() -> None:
-    torch.set_num_threads(1)  # as run_lab's own process (see there)
-
-
-@contextmanager
-def _workers(jobs: int) -> Iterator[ProcessPoolExecutor | None]:
-    """``jobs`` processes that run a seed's independent stages side by side (the agents, each model's test scores,
-    the merge rows), or None for one at a time in this process. Spawned, one torch thread each; a stage a worker
-    finishes is saved by it, as in this process, so an interrupted run resumes the same way."""
-    if jobs <= 1:
-        yield None
-        return
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_one_thread)
-    try:
-        yield pool
-    except BaseException:
-        # a stop (SIGINT to this process alone, or a stage that failed) ends the workers' stages too: waiting for
-        # them would hold the run for up to an hour; a stage stopped midway wrote nothing and runs again on resume
-        pool.shutdown(wait=False, cancel_futures=True)
-        workers = multiprocessing.active_children()
-        for worker in workers:
-            worker.terminate()
-        deadline = time.time() + 30  # (the executor's own thread may reap them first: poll, do not join)
-        while any(w.is_alive() for w in workers) and time.time() < deadline:
-            time.sleep(0.05)
-        raise
-    pool.shutdown(wait=True)
-
-
-def _each(pool: ProcessPoolExecutor | None, fn: Callable[..., Any], items: Sequence[tuple[Any, ...]]) -> list[Any]:
-    """``fn(*item)`` for each item, in ``pool``'s processes when given (the first item first), results in order."""
-    if pool is None:
-        return [fn(*item) for item in items]
-    futures = [pool.submit(fn, *item) for item in items]
-    try:
-        return [f.result() for f in futures]
-    except BrokenProcessPool as err:
-        raise RLMergeError(
-            "a worker process of --jobs died while it ran a stage: the system killed it, most likely for memory "
-            "(each worker holds its own model; the smollm2 sizes' tool-use GRPO run ~15 GB)",
-            hint="the stages finished before it are kept: run the same command again, with --jobs 1 or with more "
-            "memory free (nothing large beside it)") from err
 
 
 def _eval_sets(size: LabSize, split: str, n: int, seed: int) -> dict[str, list[Example]]:
@@ -332,14 +284,15 @@ def _agent_family(size: LabSize, base: Path, out: Path, seed: int, fam: str) -> 
 
 
 def train_agents(size: LabSize, base: Path, out: Path, seed: int, res: SeedResult,
-                 pool: ProcessPoolExecutor | None = None) -> list[Path]:
-    """Each family's agent (``_agent_family``; side by side in ``pool``'s processes when given). With
+                 workers: Workers | None = None) -> list[Path]:
+    """Each family's agent (``_agent_family``; side by side in ``workers``' processes when given). With
     `size.agent_attempts` > 1 an agent must beat the base on its family's validation split (the gate, test
     examples untouched); one that does not is deleted and trained again with the next training seed
     (`train_agent(attempt=k)`), at most that many runs, the last kept with a warning. The failed runs (their
     gate scores, rewards, times) are kept in `<fam>.attempts.json` beside the folder, so a resumed run goes on
     from the next attempt, and reported in `res.training[fam]["failed_attempts"]`."""
-    for fam, r in zip(FAMILIES, _each(pool, _agent_family, [(size, base, out, seed, fam) for fam in FAMILIES])):
+    for fam, r in zip(FAMILIES, each(workers, _agent_family, [(size, base, out, seed, fam) for fam in FAMILIES],
+                                         [f"agent {fam}" for fam in FAMILIES])):
         if r["gate"] is not None:
             _timed(res, f"gate {fam}", r["gate"])
         res.warnings += r["warnings"]
@@ -398,14 +351,15 @@ def run_merges(
     res: SeedResult,
     methods: Sequence[MethodPlan],
     stages: Path | None = None,
-    pool: ProcessPoolExecutor | None = None,
+    workers: Workers | None = None,
 ) -> None:
     """Every plan: grid on validation (one sweep, float32 merges), the pick scored on test; skips say why.
 
     With `stages`, each finished row is saved there and a rerun with the same inputs and grid reuses it. With
-    ``pool``, rows run side by side in its processes.
+    ``workers``, rows run side by side in its processes.
     """
-    cache = None if pool is not None else StatsCache()  # one process's rows share the statistics of these inputs
+    # one process's rows share the statistics of these inputs (a worker's process runs one row)
+    cache = None if workers is not None and workers.pool is not None else StatsCache()
     inputs = fingerprint([base, *agents], DONE) if stages is not None else ""
     # the examples a row is chosen on (the sweep's validation split) and scored on (test)
     examples = examples_digest({**{f"val:{f}": v for f, v in _eval_sets(size, "val", size.n_val, res.seed).items()},
@@ -425,7 +379,7 @@ def run_merges(
         path = stages / f"row-{_slug(plan.label)}.json" if stages is not None else None
         plans.append(plan)
         items.append((path, key, plan, size, base, agents, work, test, res.seed, cache))
-    for plan, record in zip(plans, _each(pool, _row_stage, items)):
+    for plan, record in zip(plans, each(workers, _row_stage, items, [f"row {p.label}" for p in plans])):
         if "failed" in record:
             res.skipped[plan.label] = record["failed"]
             _log(f"seed {res.seed}: {plan.label} failed: {record['failed']}")
@@ -454,23 +408,23 @@ def _score_stage(path: Path, key: dict[str, Any], checkpoint: Path, sets: dict[s
 
 def _score_models(
     res: SeedResult, models: Sequence[tuple[str, Path]], sets: dict[str, list[Example]], size: LabSize, stages: Path,
-    split: str = "test", pool: ProcessPoolExecutor | None = None,
+    split: str = "test", workers: Workers | None = None,
 ) -> None:
     """Each model's 0/1 scores on `sets`, one saved stage per model (keyed by its checkpoint and the split); side
-    by side in ``pool``'s processes when given."""
+    by side in ``workers``' processes when given."""
     n = len(next(iter(sets.values())))
     items = [(stages / f"{split}-{_slug(row)}.json",
               {"split": split, "n": n, "kind": size.kind, "disjoint_from_test": size.disjoint_from_test,
                "checkpoint": fingerprint([path], DONE), "examples": examples_digest(sets)}, path, sets, size.kind)
              for row, path in models]
-    for (row, _), record in zip(models, _each(pool, _score_stage, items)):
+    for (row, _), record in zip(models, each(workers, _score_stage, items, [f"scores {row}" for row, _ in models])):
         _timed(res, f"{split} scores {row}", record)
         if split == "test":
             res.examples[row] = record["result"]
             res.scores[row] = {f: sum(v) / len(v) for f, v in record["result"].items()}
 
 
-def prepare_seed(size: LabSize, out: Path, seed: int, res: SeedResult, pool: ProcessPoolExecutor | None = None
+def prepare_seed(size: LabSize, out: Path, seed: int, res: SeedResult, workers: Workers | None = None
                  ) -> tuple[Path, list[Path]]:
     """Base, agents and their task-vector statistics (each a saved stage); returns (base, agents)."""
     torch.manual_seed(seed)
@@ -486,7 +440,7 @@ def prepare_seed(size: LabSize, out: Path, seed: int, res: SeedResult, pool: Pro
         _timed(res, "base", {**done, "reused": True})
     res.training["base"] = done
     res.timings["base"] = time.time() - t0
-    agents = train_agents(size, base, out / "agents", seed, res, pool)
+    agents = train_agents(size, base, out / "agents", seed, res, workers)
     record = run_stage(out / "stages" / "task_vectors.json", {"inputs": fingerprint([base, *agents], DONE)},
                        lambda: _task_vectors(base, agents), _log)
     _timed(res, "task vectors", record)
@@ -494,22 +448,23 @@ def prepare_seed(size: LabSize, out: Path, seed: int, res: SeedResult, pool: Pro
     return base, agents
 
 
-def run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan], jobs: int = 1) -> SeedResult:
+def run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan], jobs: int = 1,
+             book: MemoryBook | None = None) -> SeedResult:
     """One seed's whole pipeline; with ``jobs`` > 1 its independent stages (the agents, the models' test scores,
-    the merge rows) run side by side in that many processes."""
-    with _workers(jobs) as pool:
-        return _run_seed(size, out, seed, methods, pool)
+    the merge rows) run side by side in that many processes, as many as ``book``'s memory budget admits."""
+    with workers_for(jobs, book, fresh=size.fresh_process_per_stage, log=_log) as workers:
+        return _run_seed(size, out, seed, methods, workers)
 
 
-def _run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan], pool: ProcessPoolExecutor | None
+def _run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan], workers: Workers
               ) -> SeedResult:
     res = SeedResult(seed)
-    base, agents = prepare_seed(size, out, seed, res, pool)
+    base, agents = prepare_seed(size, out, seed, res, workers)
     stages = out / "stages"
     test = _eval_sets(size, "test", size.n_test, seed)
     t = time.time()
     models = [("Base", base), *((f"Specialist: {f}", p) for f, p in zip(FAMILIES, agents, strict=True))]
-    _score_models(res, models, test, size, stages, pool=pool)
+    _score_models(res, models, test, size, stages, workers=workers)
     res.timings["score_base_and_specialists"] = time.time() - t
     for fam in FAMILIES:
         # The issue's sanity check on the RL set-up: a specialist must beat the base on its own task.
@@ -517,7 +472,7 @@ def _run_seed(size: LabSize, out: Path, seed: int, methods: Sequence[MethodPlan]
             res.warnings.append(f"specialist {fam} does not beat the base on {fam}")
             _log(f"seed {seed}: WARNING specialist {fam} does not beat the base on its own task")
     t = time.time()
-    run_merges(size, base, agents, out / "merges", test, res, methods, stages, pool)
+    run_merges(size, base, agents, out / "merges", test, res, methods, stages, workers)
     res.timings["merges"] = time.time() - t
     t = time.time()
     if size.unique_rows:
@@ -593,8 +548,12 @@ def restore_stages(saved: Path, out: Path, seeds: range) -> list[Path]:
     and attempt records, ``seedN/agents/*.json``) into this run's ``out`` where it has none of its own; returns
     what was copied. A record is used only if its key matches: the checkpoints' files are fingerprinted, and the
     lab's training is deterministic, so after the base and agents are trained again to the same bytes every saved
-    stage is reused, on any machine; one that does not match is recomputed."""
+    stage is reused, on any machine; one that does not match is recomputed. The stages' measured memory peaks
+    (``memory.json``, for --jobs) come along where ``out`` has none."""
     copied = []
+    if (saved / "memory.json").is_file() and not (out / "memory.json").exists():
+        shutil.copyfile(saved / "memory.json", out / "memory.json")
+        copied.append(out / "memory.json")
     for s in seeds:
         for sub in ("stages", "agents"):
             src = saved / f"seed{s}" / sub
@@ -609,11 +568,13 @@ def restore_stages(saved: Path, out: Path, seeds: range) -> list[Path]:
 
 def run_lab(
     size_name: str, out: Path, *, seeds: int = 1, first_seed: int = 0, methods: list[MethodPlan] | None = None,
-    jobs: int = 1, stages_from: Path | None = None,
+    jobs: int = 1, stages_from: Path | None = None, memory_gb: float | None = None,
 ) -> dict[str, Any]:
     """Run the whole lab for `seeds` seeds and write results.json, table.md and plot.png into `out`, after each
     seed (with the seeds finished so far), so that a long run's finished seeds can be read while it goes on.
-    ``jobs`` > 1: a seed's independent stages run side by side in that many processes (``run_seed``).
+    ``jobs`` > 1: a seed's independent stages run side by side in that many processes (``run_seed``), while their
+    memory fits ``memory_gb`` (default: 90 % of what the system has available as each batch starts); each stage's
+    peak is recorded in ``out/memory.json`` (``rlmerge.lab.memory``), so later seeds plan with measured peaks.
     ``stages_from``: stage records saved from another run of these seeds (``restore_stages``)."""
     ensure_isolation()  # the coding agents' rewards and scores run model-written programs: refused before any work
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
@@ -630,10 +591,12 @@ def run_lab(
                              hint="give a saved-<run> folder that docs/lab-results/*/collect.sh wrote")
         copied = restore_stages(stages_from, out, range(first_seed, first_seed + seeds))
         _log(f"{len(copied)} saved stage records copied from {stages_from} (each used only if its key matches)")
+    book = MemoryBook.load(out / "memory.json", size.stage_gb,
+                           None if memory_gb is None else int(memory_gb * GB))
     start = time.time()
     results: list[SeedResult] = []
     for s in range(first_seed, first_seed + seeds):
-        results.append(run_seed(size, out / f"seed{s}", s, plans, jobs))
+        results.append(run_seed(size, out / f"seed{s}", s, plans, jobs, book))
         summary = _summary(size, plans, results, time.time() - start)
         scores = {r: [res.scores[r] for res in results if r in res.scores] for r in results[0].scores}
         plot(scores, out / "plot.png", f"rlmerge lab ({size_name}): test accuracy, {len(results)} seed(s)")

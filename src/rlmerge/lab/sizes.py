@@ -36,6 +36,12 @@ class LabSize:
     # > 1: each trained agent must beat the base on its own family's validation split (n_val examples), else it
     # is trained again with another training seed, at most this many runs in all (pipeline.train_agents)
     agent_attempts: int = 1
+    # GB a stage's process is expected to peak at before one is measured (rlmerge.lab.memory; --jobs admits stages
+    # while their estimates fit the memory): by stage kind, "*" for the others
+    stage_gb: Mapping[str, float] = field(default_factory=lambda: {"*": 1.0})
+    # a new worker process for each stage with --jobs (rlmerge.lab.jobs.workers_for): its memory goes back to the
+    # system when it ends; worth a worker's imports (~3-6 s) only where stages last minutes and hold GB
+    fresh_process_per_stage: bool = False
 
     def grpo_for(self, family: str) -> GRPOSettings:
         return self.agent_grpo.get(family, self.grpo)
@@ -73,6 +79,10 @@ SIZES: dict[str, LabSize] = {
         kind="chat",
         methods=SMOLLM2_GRIDS,
         unique_rows=False,
+        # measured on 2026-12-06 (24 GB machine): GRPO runs up to 16.7 GB resident (the tool-use agent, killed by
+        # the system beside a 6.6 GB memory agent), a merge row's or model's scores 2.0-2.2 GB
+        stage_gb={"agent": 17.0, "row": 3.0, "scores": 3.0, "*": 3.0},
+        fresh_process_per_stage=True,
     )),
     # The same base with agents uneven by their training (issue 27): a low-lr tool-use agent (at lr ≥ 3e-5 its
     # policy collapsed onto one call in every pilot), a mid-lr coding agent, a high-lr memory agent; lr × steps
