@@ -85,7 +85,7 @@ class MemoryBook:
     """The peak each stage took (bytes, the largest seen), kept in ``path``; estimates for stages to come."""
 
     path: Path | None
-    priors_gb: Mapping[str, float]  # stage kind (or "*") -> GB, for stages never measured
+    priors_gb: Mapping[str, float]  # stage name, stage kind or "*" -> GB, for stages never measured
     budget: int | None = None  # bytes the stages running together may use; None: no limit
     peaks: dict[str, int] = field(default_factory=dict)
 
@@ -101,14 +101,17 @@ class MemoryBook:
         return cls(path, priors_gb, budget, peaks)
 
     def estimate(self, stage: str) -> tuple[int, str]:
-        """(bytes, where from): this stage's own peak, else the largest peak of its kind, else the prior."""
+        """(bytes, where from): this stage's own peak, else the largest peak of its kind, else the prior for the
+        stage (by its name, else its kind, else "*")."""
         if stage in self.peaks:
             return self.peaks[stage], "measured"
         same = [v for k, v in self.peaks.items() if kind(k) == kind(stage)]
         if same:
             return max(same), f"measured for another {kind(stage)}"
-        gb = self.priors_gb.get(kind(stage), self.priors_gb.get("*", 0.0))
-        return int(gb * GB), "prior"
+        for key in (stage, kind(stage), "*"):
+            if key in self.priors_gb:
+                return int(self.priors_gb[key] * GB), "prior"
+        return 0, "prior"
 
     def record(self, stage: str, peak: int) -> None:
         if peak <= self.peaks.get(stage, 0):

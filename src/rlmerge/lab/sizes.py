@@ -79,9 +79,10 @@ SIZES: dict[str, LabSize] = {
         kind="chat",
         methods=SMOLLM2_GRIDS,
         unique_rows=False,
-        # measured on 2026-12-06 (24 GB machine): GRPO runs up to 16.7 GB resident (the tool-use agent, killed by
-        # the system beside a 6.6 GB memory agent), a merge row's or model's scores 2.0-2.2 GB
-        stage_gb={"agent": 17.0, "row": 3.0, "scores": 3.0, "*": 3.0},
+        # measured on 2026-12-06 (24 GB machine; RSS of the --jobs workers every 20 s, docs/lab.md): the tool-use
+        # GRPO run up to 16.7 GB resident (killed by the system beside the memory agent), the coding agent's at
+        # most 4.6 GB, the memory agent's 7.5 GB; a merge row's or a model's test scores 2.0-2.2 GB
+        stage_gb={"agent tool_use": 17.0, "agent": 8.0, "row": 3.0, "scores": 3.0, "*": 3.0},
         fresh_process_per_stage=True,
     )),
     # The same base with agents uneven by their training (issue 27): a low-lr tool-use agent (at lr ≥ 3e-5 its
