@@ -26,6 +26,7 @@ import rlmerge  # noqa: E402 - after the importorskip
 from rlmerge.engine import distributed  # noqa: E402
 from rlmerge.engine.distributed import FAULT_ENV, merge_on_ray  # noqa: E402
 from rlmerge.errors import OutputError  # noqa: E402
+from test_push import hub  # noqa: E402, F401 - the fake Hub, a fixture
 
 SHARD = 20_000  # bytes: the tiny example's output in 3 shards
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,3 +299,47 @@ def test_references_on_ray_are_scored_on_the_driver_and_compared_as_locally(clus
     assert docs[0]["versus_inputs"] == docs[1]["versus_inputs"]
     assert [{k: v for k, v in r.items() if k != "score_seconds"} for r in docs[0]["references"]] == \
         [{k: v for k, v in r.items() if k != "score_seconds"} for r in docs[1]["references"]]
+
+
+def test_a_ray_merge_takes_the_tokenizer_choices_and_pushes_as_a_local_one(
+        cluster, tmp_path: Path, monkeypatch, hub) -> None:  # noqa: F811 - the fixture imported above
+    """--tokenizer-source (union: the vocabulary rows move, merged in the tasks; an agent named by a path relative
+    to the driver's folder) and --chat-template on Ray write the local merge's files byte for byte; --push-to-hub
+    uploads the finished output from the driver."""
+    import huggingface_hub.constants as hc
+
+    from test_push import TOKEN
+    from test_tokenizers import vocab_models
+
+    models = vocab_models(tmp_path / "vocab")
+    agents = [models["tools"], models["memory"], models["coder"]]
+    monkeypatch.chdir(tmp_path / "vocab")
+    for i, (source, template) in enumerate([("union", str(models["tools"])), ("./memory", None)]):
+        kw = {"method": "ram", "tokenizer_source": source, "chat_template": template, "shard_size": SHARD}
+        local = rlmerge.merge(models["base"], agents, tmp_path / f"local{i}", **kw)
+        res = merge_on_ray(models["base"], agents, tmp_path / f"ray{i}", **kw, workers=2)
+        same_folder(local.output, res.output)
+        vocab = json.loads((res.output / "config.json").read_text())["vocab_size"]
+        assert vocab == (101 if source == "union" else 99)  # rows moved: the tasks merged the chosen vocabulary
+    monkeypatch.setattr(hc, "ENDPOINT", hub.url)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hc, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    res = merge_on_ray(models["base"], agents, tmp_path / "pushed", method="ram", workers=2, push_to_hub="org/m",
+                       tokenizer_source="base")
+    (commit,) = hub.commits
+    assert commit["files"] == {p.name: p.read_bytes() for p in res.output.iterdir()}
+    assert res.url == f"{hub.url}/org/m/tree/main"
+
+
+def test_cli_merge_backend_ray_refuses_only_an_adapter_output(cluster, example, tmp_path: Path, capsys) -> None:
+    from rlmerge.cli import main
+
+    base, agents = example
+    args = [str(base), *map(str, agents), "-q", "--backend", "ray"]
+    assert main(["merge", *args, "-o", str(tmp_path / "a"), "--output-format", "peft", "--rank", "4"]) == 2
+    assert "LoRA adapter" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert main(["merge", *args, "-o", str(tmp_path / "t"), "--tokenizer-source", "base"]) == 0
+    assert main(["merge", str(base), *map(str, agents), "-q", "-o", str(tmp_path / "l"), "--tokenizer-source",
+                 "base"]) == 0
+    same_folder(tmp_path / "l", tmp_path / "t")

@@ -126,10 +126,12 @@ def merge_command(
         print_notes(req)
     run_merge = merge
     if backend == "ray":
-        local_only = [k for k in ("tokenizer_source", "chat_template", "output_format") if options.get(k) is not None]
-        local_only += ["push_to_hub"] if push_to_hub else []
-        if local_only:
-            raise ConfigError(f"{local_only[0]} runs on the local backend only", hint="merge without --backend ray")
+        adapter = options.get("output_format", "hf") != "hf" or any(options.get(k) is not None
+                                                                   for k in ("rank", "non_linear"))
+        if adapter:
+            raise ConfigError("a LoRA adapter (--output-format peft, --rank, --non-linear) is written on the local "
+                              "backend only", hint="merge without --backend ray")
+        options.pop("output_format", None)
         from ..engine.distributed import merge_on_ray  # Ray is imported only here
 
         run_merge = functools.partial(merge_on_ray, workers=workers)

@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, InputError, OutputError, RLMergeError, raise_all
+from ..io.hub import push
 from ..io.partial import PartialDir, input_identity
 from ..io.shardfiles import ShardFiles
+from ..io.tokenizer_plan import SOURCES, pick_agent
 from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards
 from ..methods import Observer, Run
 from ..stats import TensorStats
@@ -200,11 +202,15 @@ class _Request:
     seed: int
     allow_missing: bool
     count_tied_twice: bool
+    # where the output's vocabulary rows come from (base, union, an agent by its resolved path): moved rows are
+    # merged in the tasks; the chat template and the tokenizer's files are the driver's to write
+    tokenizer_source: str | None = None
 
     def open(self) -> Preflight:
         pf = preflight(self.base, list(self.agents), None, method=self.method, params=self.params, dtype=self.dtype,
                        shard_size=self.shard_bytes, block_size=self.block_size, device=self.device,
-                       allow_missing=self.allow_missing, count_tied_twice=self.count_tied_twice, seed=self.seed)
+                       allow_missing=self.allow_missing, count_tied_twice=self.count_tied_twice, seed=self.seed,
+                       tokenizer_source=self.tokenizer_source)
         try:
             raise_all(pf.problems)
         except RLMergeError:
@@ -278,8 +284,12 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
                  recipe: Mapping[str, Any] | None = None, fsync: bool = True, workers: int | None = None,
                  partition: Sequence[Sequence[int]] | None = None, retries: int = 3, address: str | None = None,
                  cache: StatisticsCache | None = None, quiet: bool = True, defaults: Sequence[str] = (),
-                 notes: Sequence[str] = ()) -> MergeResult:
+                 notes: Sequence[str] = (), tokenizer_source: str | None = None, chat_template: str | None = None,
+                 push_to_hub: str | None = None, private: bool = False, revision: str | None = None) -> MergeResult:
     """``rlmerge.merge`` with its passes run as Ray tasks (see the module docstring); the same output bytes.
+    ``tokenizer_source``, ``chat_template``, ``push_to_hub`` (``private``, ``revision``): as ``rlmerge.merge``'s
+    (the driver checks them before any weight is read, writes the tokenizer's files and uploads the finished
+    output; the tasks merge the vocabulary rows the tokenizer plan moved).
 
     ``workers``: tasks at once (default: every one), and the number of tensor groups the statistics are mapped
     over (default: the cluster's CPUs). ``partition``: groups of shard indices, one merge task each (default: one
@@ -288,7 +298,8 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
     t0 = time.perf_counter()
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
                    block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
-                   count_tied_twice=count_tied_twice, seed=seed)
+                   count_tied_twice=count_tied_twice, seed=seed, tokenizer_source=tokenizer_source,
+                   chat_template=chat_template, push_to_hub=push_to_hub, revision=revision)
     try:
         raise_all(pf.problems)
         assert pf.match is not None and pf.spec is not None and pf.base is not None
@@ -297,16 +308,23 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
                               "local backend only", hint="merge it without --backend ray")
         check_copies(pf.match)
         init(address)
-        req = _Request(str(pf.base.path), tuple(str(a.path) for a in pf.agents if a is not None), method,
-                       dict(params or {}), dtype, pf.shard_bytes, pf.block_size, device, seed, allow_missing,
-                       count_tied_twice)
+        listed = [a for a in pf.agents if a is not None]
+        source = tokenizer_source
+        if source is not None and source not in SOURCES:  # an agent: named to the tasks as they will list it
+            source = str(listed[pick_agent(source, listed)].path)  # (found: preflight checked the choice)
+        req = _Request(str(pf.base.path), tuple(str(a.path) for a in listed), method, dict(params or {}), dtype,
+                       pf.shard_bytes, pf.block_size, device, seed, allow_missing, count_tied_twice, source)
         again = reproduce(pf, base, agents, given=params, recipe=recipe, dtype=dtype, seed=seed,
-                          allow_missing=allow_missing, count_tied_twice=count_tied_twice)
+                          allow_missing=allow_missing, count_tied_twice=count_tied_twice,
+                          tokenizer_source=tokenizer_source, chat_template=chat_template)
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
             result = _merge(pf, partial, req, recipe=recipe, fsync=fsync, workers=workers, partition=partition,
                             retries=retries, cache=cache, defaults=list(defaults), notes=list(notes), again=again)
     finally:
         pf.close()
+    if push_to_hub is not None:  # as a local merge: only the finished, published output is uploaded
+        result.url = push(result.output, push_to_hub, private=private, revision=revision,
+                          message=f"Upload a {result.method} merge made with rlmerge")
     result.seconds = time.perf_counter() - t0
     return result
 
