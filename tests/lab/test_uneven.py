@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import shutil
 from dataclasses import replace
@@ -567,3 +568,37 @@ def test_a_sigterm_to_the_main_process_alone_ends_the_workers(tmp_path: Path) ->
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_sign_test_counts_the_examples_the_two_score_differently() -> None:
+    from rlmerge.lab.paired import sign_test
+
+    assert sign_test(7, 0) == 1 / 128  # seed 0's tool-use agent if it lost none of the base's 7
+    assert sign_test(8, 1) == 10 / 512  # P(X >= 8), X ~ Bin(9, 1/2)
+    assert sign_test(1, 0) == 0.5 and sign_test(0, 0) == 1.0 and sign_test(0, 3) == 1.0
+    assert abs(sign_test(10, 3) - sum(math.comb(13, k) for k in range(10, 14)) / 2**13) < 1e-15
+
+
+@pytest.mark.parametrize(("base", "agent", "alpha", "passed"), [
+    ([0] * 32, [1] * 5 + [0] * 27, 0.05, True),  # 5 better, 0 worse: p 1/32
+    ([0] * 32, [1] * 4 + [0] * 28, 0.05, False),  # 4 better: p 1/16, above the base all the same
+    ([1] + [0] * 31, [0] + [1] * 2 + [0] * 29, 0.05, False),  # seed 1's tool use, in kind: one example up
+    ([1] + [0] * 31, [0] + [1] * 2 + [0] * 29, None, True),  # the old rule: above the base is enough
+    ([1] * 6 + [0] * 26, [0] * 6 + [1] * 6 + [0] * 20, 0.05, False),  # as many better as worse
+])
+def test_the_gate_needs_the_sign_test_where_the_size_asks_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 base: list, agent: list, alpha: Any,
+                                                                 passed: bool) -> None:
+    def fake_score(path: Path, sets: dict[str, list[Any]], kind: str) -> dict[str, list[float]]:
+        ((fam, examples),) = sets.items()
+        return {fam: [float(x) for x in (agent if Path(path).name == "agent" else base)]}
+
+    monkeypatch.setattr(pipeline, "score_checkpoint_each", fake_score)
+    for name in ("base", "agent"):
+        _fake_agent(tmp_path / name, {"train_seconds": 0.0})
+    size = replace(_small_uneven(), n_val=32, agent_attempts=3, gate_alpha=alpha)
+    gate = pipeline._gate(size, tmp_path / "base", tmp_path / "agent", "tool_use", 0)
+    assert gate["passed"] is passed and gate["alpha"] == alpha
+    better = sum(a > b for a, b in zip(agent, base))
+    assert (gate["better"], gate["worse"]) == (better, sum(a < b for a, b in zip(agent, base)))
+    assert SIZES["smollm2-uneven"].gate_alpha == 0.05

@@ -60,7 +60,7 @@ def test_uneven_run_beside_table1_with_agents_intervals_and_stage_times(tmp_path
                        "row RAM": {"wall_s": 50.0, "cpu_s": 40.0, "reused": True}}
         seeds.append(s)
     # seed 2's coding agent took two runs: the first failed the gate on validation
-    seeds[2]["training"]["coding"] |= {"gate": {"base": 0.5, "agent": 0.625, "n": 32},
+    seeds[2]["training"]["coding"] |= {"gate": {"base": 0.5, "agent": 0.625, "n": 32, "p": 0.03125},
                                        "failed_attempts": [{"attempt": 0, "gate": {"base": 0.5, "agent": 0.125}}]}
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"seeds": seeds}))
@@ -70,7 +70,7 @@ def test_uneven_run_beside_table1_with_agents_intervals_and_stage_times(tmp_path
     assert "| Task arithmetic | 50.0 | +0.0 | +0.0 | 2 | 58.28 | +9.58 | +0.00 | 3 |" in text
     assert "| RAM − Task arithmetic | +25.0, +0.0, +25.0 | +16.7 |" in text  # over seeds, with its t-interval
     assert "| 1 | coding | 8e-05 × 24 | graded | 1 | 10.0 | 40.0 | 1.50 | 1.150 | 50.0 → 50.0 |" in text
-    assert "| 2 | coding | 8e-05 × 24 | graded | 2 (50.0 → 12.5; 50.0 → 62.5) | 10.0 |" in text
+    assert "| 2 | coding | 8e-05 × 24 | graded | 2 (50.0 → 12.5; 50.0 → 62.5, p 0.031) | 10.0 |" in text
     assert "| agent coding | 100 / 90 | 100 / 90 | 100 / 90 |" in text and "| total | 150 / 130 |" in text
 
 

@@ -12,6 +12,7 @@ Two intervals, for two questions:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,6 +43,14 @@ PAIRS: tuple[tuple[str, str], ...] = (
     *((row, other) for row in ("ARM-R", "ARM-TIES", "RAM+ magnitude-ρ", "RAM+ sign-elect")
       for other in ("Task arithmetic", "RAM+")),
 )
+
+
+def sign_test(better: int, worse: int) -> float:
+    """One-sided exact sign test (McNemar's, exact) of two models scored on the same examples: the chance of at
+    least ``better`` examples the first gets right and the second wrong, out of the ``better + worse`` they score
+    differently, were each of those a coin flip. 1.0 when they never differ."""
+    n = better + worse
+    return sum(math.comb(n, k) for k in range(better, n + 1)) / 2**n if n else 1.0
 
 
 def t_interval(values: Sequence[float]) -> tuple[float, float, float]:

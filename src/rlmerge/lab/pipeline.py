@@ -41,7 +41,7 @@ from rlmerge.lab.merging import (
     skip_reason,
 )
 from rlmerge.lab.model import build_model, save_bf16, warm_up
-from rlmerge.lab.paired import paired_report
+from rlmerge.lab.paired import paired_report, sign_test
 from rlmerge.lab.report import markdown_table, plot
 from rlmerge.lab.sizes import SIZES, LabSize, with_steps
 from rlmerge.lab.stages import Clock, examples_digest, fingerprint, run_stage, write_json
@@ -206,18 +206,24 @@ def _stale(done: dict[str, Any], wanted: dict[str, Any]) -> bool:
 
 def _gate(size: LabSize, base: Path, agent: Path, fam: str, seed: int) -> dict[str, Any]:
     """Base and agent scored on the agent's own family's validation split (a saved stage beside the agent,
-    keyed by both checkpoints): `passed` when the agent's accuracy is above the base's."""
+    keyed by both checkpoints): `passed` when the agent's accuracy is above the base's and, with
+    `size.gate_alpha`, the sign test over the examples they score differently (``better``: the agent right and
+    the base wrong; ``worse``: the reverse) gives p below it."""
     sets = {fam: held_out_split(fam, "val", size.n_val, seed, size.disjoint_from_test)}
 
     def score() -> dict[str, Any]:
         base_each, agent_each = (score_checkpoint_each(p, sets, size.kind)[fam] for p in (base, agent))
+        pairs = list(zip(base_each, agent_each, strict=True))
         return {"base": sum(base_each) / len(base_each), "agent": sum(agent_each) / len(agent_each),
-                "n": len(agent_each)}
+                "n": len(agent_each), "better": sum(a > b for b, a in pairs), "worse": sum(a < b for b, a in pairs)}
 
     key = {"base": fingerprint([base], DONE), "agent": fingerprint([agent], DONE), "kind": size.kind,
-           "examples": examples_digest(sets)}
+           "examples": examples_digest(sets), "counts": "better/worse"}
     record = run_stage(agent.parent / f"{fam}.gate.json", key, score, _log)
-    return {**record["result"], "passed": record["result"]["agent"] > record["result"]["base"],
+    result = record["result"]
+    p = sign_test(result["better"], result["worse"])
+    passed = result["agent"] > result["base"] and (size.gate_alpha is None or p < size.gate_alpha)
+    return {**result, "p": p, "alpha": size.gate_alpha, "passed": passed,
             **{k: record[k] for k in ("wall_s", "cpu_s", "reused")}}
 
 
@@ -266,8 +272,10 @@ def _agent_family(size: LabSize, base: Path, out: Path, seed: int, fam: str) -> 
         done = {**done, "gate": gate}
         if gate["passed"]:
             break
+        needs = "" if gate["alpha"] is None else f", needs < {gate['alpha']}"
         verdict = (f"{100 * gate['agent']:.1f} % against the base's {100 * gate['base']:.1f} % on {gate['n']} "
-                   "validation examples")
+                   f"validation examples ({gate['better']} better, {gate['worse']} worse: sign test p "
+                   f"{gate['p']:.3g}{needs})")
         if len(failed) + 1 >= size.agent_attempts:
             warnings.append(f"specialist {fam}: every one of {size.agent_attempts} runs failed the gate; "
                             "the last is kept")

@@ -209,7 +209,11 @@ def _runs(training: dict[str, Any]) -> str:
     gates = [f.get("gate") for f in training.get("failed_attempts", [])] + [training.get("gate")]
     if gates[-1] is None:
         return str(len(gates))
-    return f"{len(gates)} (" + "; ".join(f"{100 * g['base']:.1f} → {100 * g['agent']:.1f}" for g in gates if g) + ")"
+    def one(g: dict[str, Any]) -> str:  # the sign test's p where the gate recorded it
+        p = f", p {g['p']:.2g}" if g.get("p") is not None else ""
+        return f"{100 * g['base']:.1f} → {100 * g['agent']:.1f}{p}"
+
+    return f"{len(gates)} (" + "; ".join(one(g) for g in gates if g) + ")"
 
 
 def stage_times(seeds: Sequence[dict[str, Any]]) -> str:
