@@ -147,3 +147,18 @@ def test_fresh_workers_give_each_stage_a_process_of_its_own() -> None:
     from rlmerge.lab.sizes import SIZES  # (not at the top: the workers import this module, and sizes imports torch)
 
     assert SIZES["smollm2-uneven"].fresh_process_per_stage and not SIZES["smoke"].fresh_process_per_stage
+
+
+def _stage_record(reused: bool) -> dict:
+    return {"result": len(bytearray(40 << 20)), "reused": reused}
+
+
+def test_a_stage_read_back_from_its_record_is_not_taken_for_its_peak(tmp_path: Path) -> None:
+    """A reused stage (its saved record read back) takes next to nothing: recording that as its peak would let a
+    later run start it beside others when it must be computed again."""
+    from rlmerge.lab.pipeline import _ran
+
+    book = MemoryBook(tmp_path / "memory.json", {})
+    with jobs.workers_for(1, book) as workers:
+        jobs.each(workers, _stage_record, [(True,), (False,)], ["row reused", "row computed"], _ran)
+    assert set(book.peaks) == {"row computed"} and book.peaks["row computed"] >= 40 << 20

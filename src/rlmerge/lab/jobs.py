@@ -189,18 +189,19 @@ def _gb(n: int | None) -> str:
     return "?" if n is None else f"{n / GB:.1f} GB"
 
 
-def each(workers: Workers | None, fn: Callable[..., Any], items: Sequence[tuple[Any, ...]], names: Sequence[str]
-         ) -> list[Any]:
+def each(workers: Workers | None, fn: Callable[..., Any], items: Sequence[tuple[Any, ...]], names: Sequence[str],
+         ran: Callable[[Any], bool] = lambda result: True) -> list[Any]:
     """``fn(*item)`` for each item (stage ``names[i]``: ``agent tool_use``, ``row RAM+``), results in order.
     In ``workers``' pool: started in order, each as soon as a process is free and its memory estimate fits
     beside the running stages' (`admit`; a later, smaller stage may start before a larger one that
-    waits); each stage's measured peak goes to the book."""
+    waits); each stage's measured peak goes to the book where ``ran(result)`` (a stage read back from its saved
+    record took next to nothing, which says nothing of what it takes to compute)."""
     book = workers.book if workers is not None else None
     if workers is None or workers.pool is None:
         results = []
         for item, name in zip(items, names, strict=True):
             result, peak = measured(fn, *item)
-            if book is not None:
+            if book is not None and ran(result):
                 book.record(name, peak)
             results.append(result)
         return results
@@ -231,7 +232,8 @@ def each(workers: Workers | None, fn: Callable[..., Any], items: Sequence[tuple[
             for future in done:
                 i = running.pop(future)
                 results[i], peak = future.result()
-                book.record(names[i], peak)
+                if ran(results[i]):
+                    book.record(names[i], peak)
     except BrokenProcessPool as err:
         raise RLMergeError(
             "a worker process of --jobs died while it ran a stage: the system killed it, most likely for memory "

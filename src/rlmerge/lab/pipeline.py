@@ -75,6 +75,12 @@ def _log(msg: str) -> None:
     print(f"[lab {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def _ran(record: dict[str, Any]) -> bool:
+    """Whether a stage computed its result (its memory peak says what it takes), not read it back: an agent
+    trained (a reused one's gate is small beside its training), a score or a row not reused."""
+    return not record.get("reused", False)
+
+
 def _eval_sets(size: LabSize, split: str, n: int, seed: int) -> dict[str, list[Example]]:
     return {f: held_out_split(f, split, n, seed, size.disjoint_from_test) for f in FAMILIES}
 
@@ -300,7 +306,7 @@ def train_agents(size: LabSize, base: Path, out: Path, seed: int, res: SeedResul
     gate scores, rewards, times) are kept in `<fam>.attempts.json` beside the folder, so a resumed run goes on
     from the next attempt, and reported in `res.training[fam]["failed_attempts"]`."""
     for fam, r in zip(FAMILIES, each(workers, _agent_family, [(size, base, out, seed, fam) for fam in FAMILIES],
-                                         [f"agent {fam}" for fam in FAMILIES])):
+                                         [f"agent {fam}" for fam in FAMILIES], _ran)):
         if r["gate"] is not None:
             _timed(res, f"gate {fam}", r["gate"])
         res.warnings += r["warnings"]
@@ -387,7 +393,7 @@ def run_merges(
         path = stages / f"row-{_slug(plan.label)}.json" if stages is not None else None
         plans.append(plan)
         items.append((path, key, plan, size, base, agents, work, test, res.seed, cache))
-    for plan, record in zip(plans, each(workers, _row_stage, items, [f"row {p.label}" for p in plans])):
+    for plan, record in zip(plans, each(workers, _row_stage, items, [f"row {p.label}" for p in plans], _ran)):
         if "failed" in record:
             res.skipped[plan.label] = record["failed"]
             _log(f"seed {res.seed}: {plan.label} failed: {record['failed']}")
@@ -425,7 +431,8 @@ def _score_models(
               {"split": split, "n": n, "kind": size.kind, "disjoint_from_test": size.disjoint_from_test,
                "checkpoint": fingerprint([path], DONE), "examples": examples_digest(sets)}, path, sets, size.kind)
              for row, path in models]
-    for (row, _), record in zip(models, each(workers, _score_stage, items, [f"scores {row}" for row, _ in models])):
+    names = [f"scores {row}" for row, _ in models]
+    for (row, _), record in zip(models, each(workers, _score_stage, items, names, _ran)):
         _timed(res, f"{split} scores {row}", record)
         if split == "test":
             res.examples[row] = record["result"]
