@@ -38,13 +38,12 @@ def test_estimates_prefer_the_stage_own_peak_then_its_kind_then_the_prior(tmp_pa
     assert MemoryBook.load(tmp_path / "jobs.json", {"*": 1.0}).peaks == {}  # damaged: measured again
 
 
-def test_the_default_budget_is_a_share_of_what_the_system_has_available(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    info = tmp_path / "meminfo"
-    info.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n")
-    assert jobs.available_bytes(info) == 20000000 * 1024
-    assert jobs.available_bytes(tmp_path / "absent") is None
-    monkeypatch.setattr(jobs, "available_bytes", lambda: 20 * GB)
+def test_the_default_budget_is_a_share_of_what_the_system_has_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What is available: engine.budget.available_memory, the merge's own (MemAvailable, capped by a cgroup's
+    limit; tests/test_plan_models.py)."""
+    monkeypatch.setattr(jobs, "available_memory", lambda: None)
+    assert MemoryBook(None, {}).budget_now() is None  # unknown: only --jobs limits
+    monkeypatch.setattr(jobs, "available_memory", lambda: 20 * GB)
     assert MemoryBook(None, {}).budget_now() == int(20 * GB * jobs.BUDGET_SHARE)
     assert MemoryBook(None, {}, budget=5 * GB).budget_now() == 5 * GB  # --memory-gb
 

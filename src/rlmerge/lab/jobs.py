@@ -27,22 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlmerge.engine.budget import available_memory
 from rlmerge.errors import RLMergeError
 from rlmerge.lab.stages import write_json
 
 GB = 1 << 30
-BUDGET_SHARE = 0.9  # of MemAvailable: the main process, the page cache of the checkpoints, a margin
-
-
-def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """The memory the system can give without swapping (Linux ``MemAvailable``), None where unknown."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+BUDGET_SHARE = 0.9  # of the memory available: the main process, the page cache of the checkpoints, a margin
 
 
 def reset_peak() -> bool:
@@ -119,13 +109,13 @@ class MemoryBook:
         self.peaks[stage] = peak
         if self.path is not None:
             write_json(self.path, {"peak_bytes": dict(sorted(self.peaks.items())),
-                                   "note": "largest resident set of each lab stage's process (rlmerge.lab.memory)"})
+                                   "note": "largest resident set of each lab stage's process (rlmerge.lab.jobs)"})
 
     def budget_now(self) -> int | None:
         """The budget for a batch of stages starting now: the one given, else a share of what is available."""
         if self.budget is not None:
             return self.budget
-        free = available_bytes()
+        free = available_memory()  # MemAvailable, capped by a cgroup's limit (the merge's own budget reads it)
         return None if free is None else int(free * BUDGET_SHARE)
 
 
@@ -196,16 +186,16 @@ def each(workers: Workers | None, fn: Callable[..., Any], items: Sequence[tuple[
     beside the running stages' (`admit`; a later, smaller stage may start before a larger one that
     waits); each stage's measured peak goes to the book where ``ran(result)`` (a stage read back from its saved
     record took next to nothing, which says nothing of what it takes to compute)."""
-    book = workers.book if workers is not None else None
-    if workers is None or workers.pool is None:
+    workers = workers if workers is not None else Workers(None, 1, MemoryBook(None, {}))
+    book = workers.book
+    if workers.pool is None:
         results = []
         for item, name in zip(items, names, strict=True):
             result, peak = measured(fn, *item)
-            if book is not None and ran(result):
+            if ran(result):
                 book.record(name, peak)
             results.append(result)
         return results
-    assert book is not None
     budget = book.budget_now()
     estimates = [book.estimate(name) for name in names]
     if len(items) > 1:

@@ -589,7 +589,7 @@ def run_lab(
     seed (with the seeds finished so far), so that a long run's finished seeds can be read while it goes on.
     ``jobs`` > 1: a seed's independent stages run side by side in that many processes (``run_seed``), while their
     memory fits ``memory_gb`` (default: 90 % of what the system has available as each batch starts); each stage's
-    peak is recorded in ``out/memory.json`` (``rlmerge.lab.memory``), so later seeds plan with measured peaks.
+    peak is recorded in ``out/memory.json`` (``rlmerge.lab.jobs``), so later seeds plan with measured peaks.
     ``stages_from``: stage records saved from another run of these seeds (``restore_stages``)."""
     ensure_isolation()  # the coding agents' rewards and scores run model-written programs: refused before any work
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):

@@ -40,7 +40,7 @@ class LabSize:
     # one-sided exact sign test over the examples the two score differently (paired.sign_test) below α, so a run
     # one lucky example puts above the base does not pass
     gate_alpha: float | None = None
-    # GB a stage's process is expected to peak at before one is measured (rlmerge.lab.memory; --jobs admits stages
+    # GB a stage's process is expected to peak at before one is measured (rlmerge.lab.jobs; --jobs admits stages
     # while their estimates fit the memory): by stage kind, "*" for the others
     stage_gb: Mapping[str, float] = field(default_factory=lambda: {"*": 1.0})
     # a new worker process for each stage with --jobs (rlmerge.lab.jobs.workers_for): its memory goes back to the
