@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from rlmerge.lab.grid import evaluate_candidates, grid_position, pick
 from rlmerge.lab.merging import MethodPlan, merge_checkpoints, plan_skip_reason
-from rlmerge.lab.paired import bootstrap_difference, seed_differences, t_interval
+from rlmerge.lab.paired import bootstrap_difference, pooled_difference, seed_differences, t_interval
 
 
 def _ckpt(folder: Path, w: torch.Tensor) -> Path:
@@ -103,3 +103,33 @@ def test_bootstrap_interval_is_degenerate_when_the_rows_always_differ_the_same_w
     assert d == 0.0 and -100.0 <= lo < 0.0 < hi <= 100.0
     with pytest.raises(ValueError):
         bootstrap_difference({"x": [1.0]}, {"x": [1.0, 0.0]})
+
+
+def test_pooled_difference_resamples_within_each_seed_and_averages_over_seeds() -> None:
+    """Oracles: one seed pooled is that seed's bootstrap, draw for draw; a seed whose rows always differ by 100
+    points beside one where they never differ pools to exactly 50 (each stratum's resample is constant); the point
+    is the mean over seeds of each seed's difference; seeds lacking a row are left out."""
+    a0 = {"coding": [1.0, 0.0, 1.0, 1.0, 0.0], "memory": [1.0, 1.0, 0.0]}
+    b0 = {"coding": [0.0, 0.0, 1.0, 0.0, 1.0], "memory": [1.0, 0.0, 0.0]}
+    s0 = {"seed": 0, "examples": {"A": a0, "B": b0}}
+    assert pooled_difference([s0], "A", "B", seed=3) == bootstrap_difference(a0, b0, seed=3)
+
+    ones = {"coding": [1.0] * 4, "memory": [1.0] * 3}
+    zeros = {"coding": [0.0] * 4, "memory": [0.0] * 3}
+    constant = [{"seed": 1, "examples": {"A": ones, "B": zeros}}, {"seed": 2, "examples": {"A": zeros, "B": zeros}}]
+    assert pooled_difference(constant, "A", "B") == pytest.approx((50.0, 50.0, 50.0))
+
+    s1 = {"seed": 1, "examples": {"A": {"coding": [0.0, 1.0], "memory": [1.0, 1.0, 1.0, 0.0]},
+                                  "B": {"coding": [1.0, 1.0], "memory": [0.0, 1.0, 0.0, 0.0]}}}
+    d, lo, hi = pooled_difference([s0, s1], "A", "B")
+    per_seed = [bootstrap_difference(s["examples"]["A"], s["examples"]["B"])[0] for s in (s0, s1)]
+    assert d == pytest.approx(statistics.fmean(per_seed)) and lo <= d <= hi
+    # the seeds in another order pool the same strata: the same draws, the same interval
+    assert pooled_difference([s1, s0], "A", "B") == (d, lo, hi)
+
+    lacking = {"seed": 5, "examples": {"A": a0}}
+    assert pooled_difference([s0, lacking], "A", "B") == pooled_difference([s0], "A", "B")
+    assert pooled_difference([lacking], "A", "B") is None
+    other_tasks = {"seed": 6, "examples": {"A": {"tool_use": [1.0]}, "B": {"tool_use": [0.0]}}}
+    with pytest.raises(ValueError, match="different families"):
+        pooled_difference([s0, other_tasks], "A", "B")

@@ -48,6 +48,7 @@ def test_tiny_combines_seeds_into_paired_t_intervals(tmp_path: Path) -> None:
 
 
 def test_uneven_run_beside_table1_with_agents_intervals_and_stage_times(tmp_path: Path) -> None:
+    from rlmerge.lab.paired import pooled_difference
     from rlmerge.lab.writeup import uneven
 
     seeds = []
@@ -69,6 +70,10 @@ def test_uneven_run_beside_table1_with_agents_intervals_and_stage_times(tmp_path
     assert "| RAM | 66.7 | +16.7 | +16.7 | 1 | 64.82 | +16.12 | +6.54 | 2 |" in text
     assert "| Task arithmetic | 50.0 | +0.0 | +0.0 | 2 | 58.28 | +9.58 | +0.00 | 3 |" in text
     assert "| RAM − Task arithmetic | +25.0, +0.0, +25.0 | +16.7 |" in text  # over seeds, with its t-interval
+    # the seeds' examples pooled: paired.pooled_difference's numbers, under their own heading
+    d, lo, hi = pooled_difference(seeds, "RAM", "Task arithmetic")
+    pooled = text.split("The 3 seeds' test examples pooled")[1].split("Seed 0, paired bootstrap")[0]
+    assert f"| RAM − Task arithmetic | +25.0, +0.0, +25.0 | {d:+.1f} | [{lo:+.1f}, {hi:+.1f}] |" in pooled
     assert "| 1 | coding | 8e-05 × 24 | graded | 1 | 10.0 | 40.0 | 1.50 | 1.150 | 50.0 → 50.0 |" in text
     assert "| 2 | coding | 8e-05 × 24 | graded | 2 (50.0 → 12.5; 50.0 → 62.5, p 0.031) | 10.0 |" in text
     assert "| agent coding | 100 / 90 | 100 / 90 | 100 / 90 |" in text and "| total | 150 / 130 |" in text

@@ -8,6 +8,10 @@ Two intervals, for two questions:
   examples are resampled with replacement within each family (the same draw for both rows: paired), the
   difference of the average over families is recomputed, and the 2.5 / 97.5 % percentiles are the
   interval. It answers "is the gap larger than the luck of this test set?" for these agents only.
+- over the seeds' test examples pooled (`pooled_difference`): the per-seed bootstrap with every seed's examples
+  resampled within their seed and family; its point is the mean over seeds. It answers the second question for
+  all the seeds' agents together (more examples, a narrower interval), not the first: the agents' training
+  luck is in the interval over seeds only.
 """
 
 from __future__ import annotations
@@ -103,6 +107,27 @@ def bootstrap_difference(
     implementation (`rlmerge.sweeping.noise.paired_bootstrap`, which the lab's began as), in points.
     """
     return paired_bootstrap(a, [b], draws=draws, seed=seed, scale=100.0)[0]
+
+
+def pooled_difference(
+    seeds: Sequence[Mapping[str, Any]], a: str, b: str, *, draws: int = 2000, seed: int = 0
+) -> tuple[float, float, float] | None:
+    """(difference, low, high) in points of rows ``a`` − ``b``, the mean over ``seeds`` of the per-seed average over
+    families, with a paired bootstrap that resamples each seed's examples within its seed and family.
+    ``seeds[s]["examples"][row][family]``: 0/1 scores, as bootstrap_difference's; ``seeds[s]["seed"]`` names the
+    seed. None when no seed scored both rows; seeds missing either row are left out (as seed_differences does).
+
+    Every seed scores the same families, so the average over the (seed, family) strata is the mean over seeds of
+    each seed's average, and with one seed this is bootstrap_difference itself."""
+    both = [s for s in seeds if a in s["examples"] and b in s["examples"]]
+    if not both:
+        return None
+    families = {frozenset(s["examples"][a]) for s in both} | {frozenset(s["examples"][b]) for s in both}
+    if len(families) != 1:
+        raise ValueError(f"{a} − {b}: the seeds score different families; pool only seeds of one task set")
+    pa = {f"{s['seed']:06d}/{f}": s["examples"][a][f] for s in both for f in s["examples"][a]}
+    pb = {f"{s['seed']:06d}/{f}": s["examples"][b][f] for s in both for f in s["examples"][b]}
+    return bootstrap_difference(pa, pb, draws=draws, seed=seed)
 
 
 def markdown_pairs(rows: Sequence[Mapping[str, object]], *, how: str) -> str:

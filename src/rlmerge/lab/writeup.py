@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlmerge.lab.paired import PAIRS, bootstrap_difference, markdown_pairs, seed_differences, t_interval
+from rlmerge.lab.paired import (
+    PAIRS,
+    bootstrap_difference,
+    markdown_pairs,
+    pooled_difference,
+    seed_differences,
+    t_interval,
+)
 from rlmerge.lab.report import markdown_table, plot
 from rlmerge.lab.tasks import FAMILIES
 
@@ -279,6 +286,14 @@ def uneven(files: Path | Sequence[Path], plot_to: Path | None = None) -> str:
     if over:
         parts.append("Paired differences over seeds:\n\n"
                      + markdown_pairs(over, how=f"Student-t 95 % over {n} seeds, n − 1 df"))
+    if n > 1:
+        per_seed = {r["pair"]: r["diffs"] for r in over}  # the same points: each seed's difference of averages
+        pooled = [{"pair": f"{a} − {b}", "diffs": per_seed.get(f"{a} − {b}", []), "mean": d, "low": lo, "high": hi}
+                  for a, b in PAIRS for r in [pooled_difference(seeds, a, b)] if r is not None for d, lo, hi in [r]]
+        parts.append(f"The {n} seeds' test examples pooled (these agents only: the agents' training luck is in the "
+                     "interval over seeds, not here):\n\n"
+                     + markdown_pairs(pooled, how="paired bootstrap over the seeds' test examples, resampled within "
+                                                  "each seed and task, 2000 draws; the mean is over seeds"))
     for seed, rows in boot.items():
         parts.append(f"Seed {seed}, paired bootstrap over test examples:\n\n"
                      + markdown_pairs(rows, how="paired bootstrap over the test examples, 2000 draws"))
