@@ -26,4 +26,5 @@ def demo_command(
     res = merge(base, agents, workdir / "merged-ram+", method="ram+", params={"preset": "paper"}, force=True,
                 quiet=False)
     print_result(res)
-    out.print(f"model card: {res.output / 'README.md'}; provenance: {res.output / 'rlmerge.json'}", markup=False)
+    out.print(f"model card: {res.output / 'README.md'}; provenance: {res.output / 'rlmerge.json'}", markup=False,
+              soft_wrap=True)
