@@ -60,8 +60,11 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
 
+# the suite on TEST_WORKERS processes (pytest-xdist), each test file whole on one of them (its module fixtures built
+# once): 2 for CI's two cores; TEST_WORKERS=0 runs it in this process
+TEST_WORKERS ?= 2
 test: setup mergekit verl sandbox lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(MERGEKIT_VENV) $(VERL_VENV) demo-output
