@@ -317,6 +317,15 @@ def test_an_agent_that_does_not_beat_the_base_on_validation_is_trained_again(
     pipeline.train_agents(size, tmp_path / "base", tmp_path / "agents", 0, pipeline.SeedResult(0))
     assert trained[6:] == [("memory", 2)]
 
+    # a larger cap (not part of an agent's settings) goes on from the kept failing run: its fourth run passes
+    passes.add(("memory", 3))
+    more = pipeline.SeedResult(0)
+    pipeline.train_agents(replace(size, agent_attempts=5), tmp_path / "base", tmp_path / "agents", 0, more)
+    assert trained[7:] == [("memory", 3)] and more.training["memory"]["gate"]["passed"]
+    assert [f["attempt"] for f in more.training["memory"]["failed_attempts"]] == [0, 1, 2]
+    assert not any("memory" in w for w in more.warnings) and more.training["coding"]["attempt"] == 1
+    trained[7:] = []
+
     ungated = tmp_path / "ungated"  # agent_attempts 1: no validation scores, one run each
     pipeline.train_agents(_small_uneven(), tmp_path / "base", ungated, 0, pipeline.SeedResult(0))
     assert [a for _, a in trained[7:]] == [0, 0, 0] and not list(ungated.glob("*.gate.json"))
