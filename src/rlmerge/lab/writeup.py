@@ -288,8 +288,12 @@ def uneven(files: Path | Sequence[Path], plot_to: Path | None = None) -> str:
                      + markdown_pairs(over, how=f"Student-t 95 % over {n} seeds, n − 1 df"))
     if n > 1:
         per_seed = {r["pair"]: r["diffs"] for r in over}  # the same points: each seed's difference of averages
-        pooled = [{"pair": f"{a} − {b}", "diffs": per_seed.get(f"{a} − {b}", []), "mean": d, "low": lo, "high": hi}
-                  for a, b in PAIRS for r in [pooled_difference(seeds, a, b)] if r is not None for d, lo, hi in [r]]
+        pooled = []
+        for a, b in PAIRS:
+            if (r := pooled_difference(seeds, a, b)) is not None:
+                d, lo, hi = r
+                pooled.append({"pair": f"{a} − {b}", "diffs": per_seed.get(f"{a} − {b}", []), "mean": d, "low": lo,
+                               "high": hi})
         parts.append(f"The {n} seeds' test examples pooled (these agents only: the agents' training luck is in the "
                      "interval over seeds, not here):\n\n"
                      + markdown_pairs(pooled, how="paired bootstrap over the seeds' test examples, resampled within "
