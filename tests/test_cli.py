@@ -351,3 +351,7 @@ def test_paths_and_labels_with_brackets_print_whole(example, tmp_path: Path, cap
     code, stdout, err = run(capsys, "inspect", base, agents[0], agent)
     assert code == 0, err
     assert "agent[tool]" in stdout
+    # plan names the tokenizer's source (the agent's label, its path as given) as data too, whole on one line
+    code, stdout, err = run(capsys, "plan", base, agents[0], agent, "--method", "ram", "--tokenizer-source", agent)
+    assert code == 0, err
+    assert f"tokenizer: {agent}; chat template: base" in stdout

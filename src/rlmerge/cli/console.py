@@ -10,5 +10,8 @@ from rich.markup import escape
 
 __all__ = ["err", "escape", "out"]
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True)  # paths stay on one line, greppable
+# Soft wrap: a line longer than the terminal is left for the terminal to fold, not broken by Rich at a space, so a
+# path or a label in a result or an error stays whole: copyable, greppable. Tables lay themselves out to the width
+# and are printed with ``soft_wrap=False`` (soft wrap would drop their titles' centring).
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)

@@ -26,5 +26,4 @@ def demo_command(
     res = merge(base, agents, workdir / "merged-ram+", method="ram+", params={"preset": "paper"}, force=True,
                 quiet=False)
     print_result(res)
-    out.print(f"model card: {res.output / 'README.md'}; provenance: {res.output / 'rlmerge.json'}", markup=False,
-              soft_wrap=True)
+    out.print(f"model card: {res.output / 'README.md'}; provenance: {res.output / 'rlmerge.json'}", markup=False)

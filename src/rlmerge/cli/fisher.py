@@ -23,5 +23,4 @@ def fisher_command(
     from ..engine.fisher_estimate import estimate_fisher  # torch and transformers: imported when it runs
 
     path = estimate_fisher(model, data, output, examples=examples, max_length=max_length, device=device, force=force)
-    out.print(f"wrote [bold]{escape(str(path))}[/]: merge with --method fisher --param fisher=F1,F2,...",
-              soft_wrap=True)
+    out.print(f"wrote [bold]{escape(str(path))}[/]: merge with --method fisher --param fisher=F1,F2,...")

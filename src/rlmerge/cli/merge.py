@@ -155,7 +155,7 @@ def merge_command(
                   f"(--rank {res.adapter['rank']}), largest relative error {res.adapter['max_relative_error']:.3g}; "
                   f"saved whole: {', '.join(res.adapter['modules_to_save']) or 'none'}")
     if res.url is not None and not json_out:
-        out.print(f"pushed to [bold]{res.url}[/]", soft_wrap=True)
+        out.print(f"pushed to [bold]{escape(res.url)}[/]")
 
 
 def result_json(res: MergeResult) -> dict[str, Any]:
@@ -180,10 +180,10 @@ def print_result(res: MergeResult) -> None:
     for row in rows:
         row = {**row, "agent": Path(row["agent"]).name or row["agent"]}  # full paths are in rlmerge.json
         table.add_row(*(escape(_fmt(c, row[c])) for c in cols))
-    out.print(table)
+    out.print(table, soft_wrap=False)
     gb = (res.read_bytes + res.write_bytes) / 1e9
     out.print(f"wrote [bold]{escape(str(res.output))}[/] ({'/'.join(res.merged_dtypes)}) in {res.seconds:.1f} s "
-              f"({gb:.2f} GB read + written)", soft_wrap=True)  # the path whole on one line: copyable, greppable
+              f"({gb:.2f} GB read + written)")
 
 
 def _fmt(col: str, v: Any) -> str:

@@ -80,7 +80,7 @@ def print_report(r: DryRun) -> None:
         if r.tokenizer is not None:
             added = r.tokenizer.added
             rows = r.tokenizer.vocab_size or "the base's"
-            out.print(f"tokenizer: {r.tokenizer.source}; chat template: {r.tokenizer.chat_template}"
+            out.print(f"tokenizer: {escape(r.tokenizer.source)}; chat template: {escape(r.tokenizer.chat_template)}"
                       + (f"; {len(added)} token(s) added, {rows} rows" if added else ""))
         if r.write_at_most:
             written = (f"write at most {_size(r.write_bytes)} as a LoRA adapter (rank {escape(str(r.rank))}; only "

@@ -205,11 +205,11 @@ def _print_summary(res: SweepResult) -> None:
         said = f"{c.average:.2f}" if c.average is not None else f"failed ({c.error})"
         out.print(f"confirmed {escape(s.candidate.label)}: search {s.average:.2f}, held out {escape(said)}")
     for p in res.kept:
-        out.print(f"kept [bold]{escape(str(p))}[/]", soft_wrap=True)
+        out.print(f"kept [bold]{escape(str(p))}[/]")
     if res.url is not None:
-        out.print(f"pushed {escape(str(res.kept[0]))} to [bold]{escape(res.url)}[/]", soft_wrap=True)
+        out.print(f"pushed {escape(str(res.kept[0]))} to [bold]{escape(res.url)}[/]")
     if res.output is not None:
-        out.print(f"wrote {res.output / 'results.json'} and {res.output / 'report.md'}", markup=False, soft_wrap=True)
+        out.print(f"wrote {res.output / 'results.json'} and {res.output / 'report.md'}", markup=False)
 
 
 def _warn_failures(res: SweepResult) -> None:
