@@ -336,6 +336,13 @@ def test_an_extra_that_is_missing_is_named_whole(example, tmp_path: Path, capsys
     assert hint in " ".join(err.split()) and "Traceback" not in err
 
 
+def _centred(stdout: str, title: str) -> bool:
+    """Whether the table titled ``title`` (the line above its top border) has its title centred over it."""
+    lines = stdout.splitlines()
+    line = next(a for a, b in zip(lines, lines[1:]) if b.startswith("┏") and title in a)
+    return line.startswith(" ") and line.endswith(" ")
+
+
 def test_paths_and_labels_with_brackets_print_whole(example, tmp_path: Path, capsys) -> None:
     """Folders named like `run[3]` are data, not markup: merge's table and result line, plan's and inspect's text."""
     import shutil
@@ -348,9 +355,10 @@ def test_paths_and_labels_with_brackets_print_whole(example, tmp_path: Path, cap
     assert code == 0, err
     # the result line keeps the path whole however long it is (soft wrap): a narrow terminal does not break it
     assert "agent[tool]" in stdout and f"wrote {out} (" in stdout
+    assert _centred(stdout, "ram merge of 2 agents")  # tables are printed without the soft wrap
     code, stdout, err = run(capsys, "inspect", base, agents[0], agent)
     assert code == 0, err
-    assert "agent[tool]" in stdout
+    assert "agent[tool]" in stdout and _centred(stdout, "Task vectors per agent")
     # plan names the tokenizer's source (the agent's label, its path as given) as data too, whole on one line
     code, stdout, err = run(capsys, "plan", base, agents[0], agent, "--method", "ram", "--tokenizer-source", agent)
     assert code == 0, err

@@ -153,7 +153,7 @@ def print_report(doc: dict[str, Any], console: Any) -> None:
             table.add_column(escape(c), justify="right" if i in s.right else "left")
         for row in s.rows:
             table.add_row(*(escape(str(cell)) for cell in row))
-        console.print(table)
+        console.print(table, soft_wrap=False)  # a table lays itself out; soft wrap would uncentre its title
     line = precision_line(doc)
     if line:
         console.print(line, markup=False)
