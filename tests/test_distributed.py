@@ -12,7 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -343,3 +346,47 @@ def test_cli_merge_backend_ray_refuses_only_an_adapter_output(cluster, example, 
     assert main(["merge", str(base), *map(str, agents), "-q", "-o", str(tmp_path / "l"), "--tokenizer-source",
                  "base"]) == 0
     same_folder(tmp_path / "l", tmp_path / "t")
+
+
+# A real CLI child whose merge, once Ray is initialised in it, waits for as long as the file HOLD exists (after
+# touching READY): the parent's SIGTERM lands while Ray's driver runs in the process.
+HELD_AFTER_INIT = """
+import os, sys, time
+from rlmerge.engine import distributed
+_init = distributed.init
+def _held(*args, **kwargs):
+    _init(*args, **kwargs)
+    open(os.environ["READY"], "w").close()
+    while os.path.exists(os.environ["HOLD"]):
+        time.sleep(0.01)
+distributed.init = _held
+from rlmerge.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_after_ray_started_takes_the_interrupt_path(example, tmp_path: Path) -> None:
+    """Ray's driver swaps the SIGTERM handler for one that calls sys.exit (exit 15, no message, finished shards
+    discarded); rlmerge keeps its own, so a SIGTERM under `--backend ray` stops as one under the local backend."""
+    base, agents = example
+    ready, hold, out = tmp_path / "ready", tmp_path / "hold", tmp_path / "out"
+    hold.touch()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(READY=str(ready), HOLD=str(hold), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, "-c", HELD_AFTER_INIT, "merge", str(base), *map(str, agents), "-o",
+                          str(out), "--backend", "ray", "-q"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 120
+        while not ready.exists():
+            assert p.poll() is None, f"ended (rc {p.returncode}) before Ray started: {p.stderr.read()}"
+            assert time.monotonic() < end, "Ray did not start within 120 s"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    stderr = p.stderr.read()
+    assert rc == 130 and "interrupted: nothing was written" in stderr, (rc, stderr)
+    assert not out.exists()

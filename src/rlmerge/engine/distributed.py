@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -75,19 +77,34 @@ def init(address: str | None = None, *, timeout: float | None = None) -> None:
         return
     where = address or os.environ.get("RAY_ADDRESS")
     if not where or where == "local":
-        ray.init(include_dashboard=False, log_to_driver=False)
+        _ray_init(include_dashboard=False, log_to_driver=False)
         return
     reach(where, timeout=CONNECT_TIMEOUT if timeout is None else timeout)
     saved = os.environ.get(_RAY_TRIES)
     if saved is None:  # it answered: one connection attempt (Ray's ~40 s), not Ray's 20
         os.environ[_RAY_TRIES] = "1"
     try:
-        ray.init(address=address, log_to_driver=False)
+        _ray_init(address=address, log_to_driver=False)
     except (ConnectionError, TimeoutError, ValueError) as e:  # ValueError: e.g. ray:// without ray[client]
         raise _unreachable(where, str(e)) from e
     finally:
         if saved is None:
             os.environ.pop(_RAY_TRIES, None)
+
+
+def _ray_init(**kwargs: Any) -> None:
+    """``ray.init``, keeping the SIGTERM handler the program set.
+
+    Ray's driver replaces it with one that calls ``sys.exit``: under the CLI a SIGTERM (kill, a scheduler's
+    timeout) would then skip the interrupt path, leaving no message, exit 15 instead of 130, and the finished
+    shards thrown away instead of kept for ``--resume``. A default or unknown handler is left as Ray sets it."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        ray.init(**kwargs)
+    finally:
+        if previous not in (None, signal.SIG_DFL):
+            signal.signal(signal.SIGTERM, previous)
 
 
 def reach(address: str, *, timeout: float = CONNECT_TIMEOUT) -> None:
