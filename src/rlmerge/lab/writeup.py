@@ -39,8 +39,12 @@ PAPER_TABLE1 = {
 
 
 def load_seeds(files: Sequence[Path]) -> list[dict[str, Any]]:
-    seeds = [seed for f in files for seed in json.loads(Path(f).read_text())["seeds"]]
-    return sorted(seeds, key=lambda s: s["seed"])
+    return seeds_of([json.loads(Path(f).read_text()) for f in files])
+
+
+def seeds_of(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The seeds of one or more results.json documents, in seed order."""
+    return sorted((seed for d in docs for seed in d["seeds"]), key=lambda s: s["seed"])
 
 
 def _avg(scores: dict[str, float]) -> float:
@@ -247,7 +251,7 @@ def uneven(files: Path | Sequence[Path], plot_to: Path | None = None) -> str:
     (``--first-seed``: seeds run side by side); ``plot_to``: where to draw their test scores."""
     files = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
     docs = [json.loads(f.read_text()) for f in files]
-    seeds = load_seeds(files)
+    seeds = seeds_of(docs)
     if len({s["seed"] for s in seeds}) < len(seeds):
         raise ValueError(f"{', '.join(map(str, files))}: a seed appears in more than one run; give each seed once")
     settings = [d.get("config", {}).get("agent_grpo", {}) for d in docs]
