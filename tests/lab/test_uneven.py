@@ -611,3 +611,57 @@ def test_the_gate_needs_the_sign_test_where_the_size_asks_for_it(tmp_path: Path,
     better = sum(a > b for a, b in zip(agent, base))
     assert (gate["better"], gate["worse"]) == (better, sum(a < b for a, b in zip(agent, base)))
     assert SIZES["smollm2-uneven"].gate_alpha == 0.05
+
+
+def test_when_every_run_fails_the_gate_the_best_on_validation_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No run passes: the run with the highest validation accuracy is kept, trained again from its seed when it was
+    not the last (the last may have collapsed); a rerun keeps it without training, also after that training was
+    interrupted, and a larger cap goes on with the next unused training seed."""
+    trained: list[int] = []
+    accuracy = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 0.0, 0.0], 2: [0.0, 0.0, 0.0, 0.0], 3: [1.0, 1.0, 0.0, 0.0],
+                4: [1.0, 1.0, 1.0, 1.0]}  # the base: [1, 1, 0, 0]; run 2 (attempt 1) best of three, as good as 4
+
+    def fake_train(base: Path, fam: str, out: Path, settings: GRPOSettings, **kw: Any) -> dict[str, Any]:
+        if fam == "memory":
+            trained.append(kw["attempt"])
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_text(f"{fam} {kw['attempt']}")
+        return {"train_seconds": 1.0, "rewards": [0.1 * kw["attempt"]], "density_by_step": [1.0]}
+
+    def fake_score(path: Path, sets: dict[str, list[Any]], kind: str) -> dict[str, list[float]]:
+        ((fam, _),) = sets.items()
+        attempt = json.loads((Path(path) / pipeline.DONE).read_text()).get("attempt")
+        if attempt is None:  # the base
+            return {fam: [1.0, 1.0, 0.0, 0.0]}
+        return {fam: accuracy[attempt] if fam == "memory" else [1.0, 1.0, 1.0, 1.0]}
+
+    monkeypatch.setattr(pipeline, "train_agent", fake_train)
+    monkeypatch.setattr(pipeline, "score_checkpoint_each", fake_score)
+    _fake_agent(tmp_path / "base", {"train_seconds": 0.0})
+    size = replace(_small_uneven(), agent_attempts=3, gate_alpha=None)  # passes: above the base's 50 %
+    res = pipeline.SeedResult(0)
+    agents = pipeline.train_agents(size, tmp_path / "base", tmp_path / "agents", 0, res)
+    assert trained == [0, 1, 2, 1]  # three runs, then the second again
+    memory = res.training["memory"]
+    assert memory["attempt"] == 1 and (agents[2] / "model.safetensors").read_text() == "memory 1"
+    assert memory["gate"]["agent"] == 0.5 and not memory["gate"]["passed"]
+    assert sorted(f["attempt"] for f in memory["failed_attempts"]) == [0, 2]  # the runs not kept
+    assert any("run 2, the best on validation, is kept" in w for w in res.warnings)
+
+    again = pipeline.SeedResult(0)  # a rerun keeps it: nothing trained
+    pipeline.train_agents(size, tmp_path / "base", tmp_path / "agents", 0, again)
+    assert trained == [0, 1, 2, 1] and again.training["memory"]["attempt"] == 1
+
+    shutil.rmtree(agents[2])  # the best run's second training interrupted: a rerun trains it, not a fourth run
+    pipeline.train_agents(size, tmp_path / "base", tmp_path / "agents", 0, pipeline.SeedResult(0))
+    assert trained == [0, 1, 2, 1, 1]
+
+    more = pipeline.SeedResult(0)  # a larger cap: the next unused seed; run 4 ties run 2 and, the last, is kept
+    pipeline.train_agents(replace(size, agent_attempts=4), tmp_path / "base", tmp_path / "agents", 0, more)
+    assert trained == [0, 1, 2, 1, 1, 3] and more.training["memory"]["attempt"] == 3
+    assert sorted(f["attempt"] for f in more.training["memory"]["failed_attempts"]) == [0, 1, 2]
+    last = pipeline.SeedResult(0)  # and a run better than every earlier one is kept where it ends
+    pipeline.train_agents(replace(size, agent_attempts=5), tmp_path / "base", tmp_path / "agents", 0, last)
+    assert trained[-1] == 4 and last.training["memory"]["attempt"] == 4 and last.training["memory"]["gate"]["passed"]

@@ -13,6 +13,7 @@ and each merge row are saved under `seedN/stages/` as they finish (`stages.py`),
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -243,8 +244,8 @@ def _failed_attempts(path: Path, wanted: dict[str, Any]) -> list[dict[str, Any]]
 
 def _agent_family(size: LabSize, base: Path, out: Path, seed: int, fam: str) -> dict[str, Any]:
     """One family's agent for ``train_agents`` (a process of its own with --jobs > 1): reused when its folder holds a
-    finished marker with the size's settings, else trained, and gated. Returns its marker (``done``), the failed
-    runs, whether it was reused, the last run's gate, warnings and the wall seconds."""
+    finished marker with the size's settings, else trained, and gated. Returns its marker (``done``), the runs not
+    kept, whether it was reused, the kept run's gate, warnings and the wall seconds."""
     t = time.time()
     wanted = _agent_settings(size, fam)
     done = _reuse(out / fam)
@@ -256,6 +257,7 @@ def _agent_family(size: LabSize, base: Path, out: Path, seed: int, fam: str) -> 
     reused = done is not None
     gate: dict[str, Any] | None = None
     warnings: list[str] = []
+    again: dict[str, Any] | None = None  # the best failed run, trained again to be kept (every run failed)
     while True:
         if done is None and (out / fam).exists():
             # an interrupted, outdated or failed training: inside the lab's own --out (workdir.claim)
@@ -264,37 +266,70 @@ def _agent_family(size: LabSize, base: Path, out: Path, seed: int, fam: str) -> 
             _log(f"seed {seed}: GRPO agent '{fam}' reused from {out / fam}")
         else:
             g = size.grpo_for(fam)
-            again = f", attempt {len(failed) + 1} of {size.agent_attempts}" if failed else ""
+            # the first training seed no recorded run used: the next run, or the best run trained again to be kept
+            # (also when a resume finds that training interrupted: the records then lack only the best run)
+            attempt = next(k for k in itertools.count() if k not in {f["attempt"] for f in failed})
+            retrain = bool(failed) and attempt < max(f["attempt"] for f in failed)
+            which = (f", run {attempt + 1} again: the best of {size.agent_attempts} on validation" if retrain else
+                     f", attempt {len(failed) + 1} of {size.agent_attempts}" if failed else "")
             _log(f"seed {seed}: GRPO agent '{fam}' ({g.steps} steps, lr {g.lr}, {g.precision}, {g.reward} "
-                 f"reward{again})")
+                 f"reward{which})")
             clock = Clock()
             info = train_agent(base, fam, out / fam, g, seed=seed, kind=size.kind,
-                               disjoint_from_test=size.disjoint_from_test, attempt=len(failed))
+                               disjoint_from_test=size.disjoint_from_test, attempt=attempt)
             shutil.rmtree(out / fam / "_trainer", ignore_errors=True)
-            done = _finish(out / fam, {**info, **wanted, "attempt": len(failed), **clock.elapsed()})
+            done = _finish(out / fam, {**info, **wanted, "attempt": attempt, **clock.elapsed()})
         if size.agent_attempts <= 1:
             break
-        gate = _gate(size, base, out / fam, fam, seed)  # the last run's; a failed run's are in its record
+        gate = _gate(size, base, out / fam, fam, seed)  # the kept run's; a failed run's are in its record
         done = {**done, "gate": gate}
         if gate["passed"]:
             break
-        needs = "" if gate["alpha"] is None else f", needs < {gate['alpha']}"
-        verdict = (f"{100 * gate['agent']:.1f} % against the base's {100 * gate['base']:.1f} % on {gate['n']} "
-                   f"validation examples ({gate['better']} better, {gate['worse']} worse: sign test p "
-                   f"{gate['p']:.3g}{needs})")
-        if len(failed) + 1 >= size.agent_attempts:
-            warnings.append(f"specialist {fam}: every one of {size.agent_attempts} runs failed the gate; "
-                            "the last is kept")
-            _log(f"seed {seed}: WARNING agent '{fam}' {verdict}, run {len(failed) + 1} of "
-                 f"{size.agent_attempts}: kept")
+        this = {"attempt": done.get("attempt", len(failed)),
+                **{k: done.get(k) for k in ("gate", "rewards", "density_by_step", "wall_s", "cpu_s")}}
+        if again is not None:
+            if _verdict(gate) != _verdict(again["gate"]):
+                _log(f"seed {seed}: NOTE agent '{fam}' run {again['attempt'] + 1} trained again scores "
+                     f"{_verdict(gate)}, where its first training scored {_verdict(again['gate'])}")
+            warnings.append(f"specialist {fam}: every one of {size.agent_attempts} runs failed the gate; run "
+                            f"{this['attempt'] + 1}, the best on validation, is kept")
+            _log(f"seed {seed}: WARNING agent '{fam}' {_verdict(gate)}: run {this['attempt'] + 1}, the best of "
+                 f"{size.agent_attempts} on validation, kept")
             break
-        _log(f"seed {seed}: agent '{fam}' {verdict}: training it again with another seed")
-        failed.append({"attempt": len(failed), **{k: done.get(k) for k in ("gate", "rewards", "density_by_step",
-                                                                         "wall_s", "cpu_s")}})
+        if len(failed) + 1 >= size.agent_attempts:
+            best = _best_run([this, *failed])
+            if best is this:
+                warnings.append(f"specialist {fam}: every one of {size.agent_attempts} runs failed the gate; run "
+                                f"{this['attempt'] + 1}, the best on validation, is kept")
+                _log(f"seed {seed}: WARNING agent '{fam}' {_verdict(gate)}, run {this['attempt'] + 1} of "
+                     f"{size.agent_attempts}, the best on validation: kept")
+                break
+            # an earlier run was better: it is trained again (the same seed gives the same weights here) and kept
+            _log(f"seed {seed}: agent '{fam}' {_verdict(gate)}: every run failed the gate; run "
+                 f"{best['attempt'] + 1} was the best on validation ({_verdict(best['gate'])})")
+            failed = [f for f in failed if f is not best] + [this]
+            write_json(history, {"settings": wanted, "failed": failed})
+            again, done, reused = best, None, False
+            continue
+        _log(f"seed {seed}: agent '{fam}' {_verdict(gate)}: training it again with another seed")
+        failed.append(this)
         write_json(history, {"settings": wanted, "failed": failed})
         done, reused = None, False
     return {"done": done, "failed": failed, "reused": reused, "gate": gate, "warnings": warnings,
             "seconds": time.time() - t}
+
+
+def _verdict(gate: dict[str, Any]) -> str:
+    needs = "" if gate.get("alpha") is None else f", needs < {gate['alpha']}"
+    return (f"{100 * gate['agent']:.1f} % against the base's {100 * gate['base']:.1f} % on {gate['n']} validation "
+            f"examples ({gate['better']} better, {gate['worse']} worse: sign test p {gate['p']:.3g}{needs})")
+
+
+def _best_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run to keep when none passed the gate: the highest validation accuracy (the base and examples are the
+    same for every run, so also the most better-than-worse examples), then the smaller sign-test p; on a tie the
+    first of ``runs`` (the run just gated comes first: nothing is trained again for an equal score)."""
+    return max(runs, key=lambda r: (r["gate"]["agent"], -r["gate"]["p"]))
 
 
 def train_agents(size: LabSize, base: Path, out: Path, seed: int, res: SeedResult,
@@ -302,9 +337,10 @@ def train_agents(size: LabSize, base: Path, out: Path, seed: int, res: SeedResul
     """Each family's agent (``_agent_family``; side by side in ``workers``' processes when given). With
     `size.agent_attempts` > 1 an agent must beat the base on its family's validation split (the gate, test
     examples untouched); one that does not is deleted and trained again with the next training seed
-    (`train_agent(attempt=k)`), at most that many runs, the last kept with a warning. The failed runs (their
-    gate scores, rewards, times) are kept in `<fam>.attempts.json` beside the folder, so a resumed run goes on
-    from the next attempt, and reported in `res.training[fam]["failed_attempts"]`."""
+    (`train_agent(attempt=k)`), at most that many runs; when every one fails, the best on validation is kept with
+    a warning (trained again from its seed when it was not the last). The runs not kept (their gate scores,
+    rewards, times) are in `<fam>.attempts.json` beside the folder, so a resumed run goes on from the next
+    attempt, and reported in `res.training[fam]["failed_attempts"]`."""
     for fam, r in zip(FAMILIES, each(workers, _agent_family, [(size, base, out, seed, fam) for fam in FAMILIES],
                                          [f"agent {fam}" for fam in FAMILIES], _ran)):
         if r["gate"] is not None:
