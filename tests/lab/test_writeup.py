@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlmerge.lab.tasks import FAMILIES
-from rlmerge.lab.writeup import real_size, tiny
+from rlmerge.lab.writeup import _runs, real_size, tiny
 
 ROWS = ["Base", *(f"Specialist: {f}" for f in FAMILIES), "Task arithmetic", "RAM", "RAM+ (paper defaults)"]
 
@@ -125,3 +125,17 @@ def test_uneven_run_from_runs_made_side_by_side_is_one_table(tmp_path: Path) -> 
     other.write_text(json.dumps({"seeds": [_seed(3, 1.0)], "config": {"agent_grpo": {"coding": {"lr": 1e-5}}}}))
     with pytest.raises(ValueError, match="different settings"):
         uneven([parts[0], other])
+
+
+def test_an_agents_runs_are_listed_in_training_order_with_the_kept_one_named() -> None:
+    """Every run failed the gate and the best, run 1, was trained again and kept: the table lists the runs in the
+    order they were trained and says which was kept; a run that passed last needs no such note."""
+    def gate(agent: float, p: float) -> dict[str, float]:
+        return {"base": 0.5, "agent": agent, "p": p}
+
+    best = {"attempt": 0, "gate": gate(0.75, 0.125),
+            "failed_attempts": [{"attempt": 1, "gate": gate(0.5, 1.0)}, {"attempt": 2, "gate": gate(0.625, 0.5)}]}
+    assert _runs(best) == "3 (50.0 → 75.0, p 0.12; 50.0 → 50.0, p 1; 50.0 → 62.5, p 0.5; run 1 kept)"
+    passed = {"attempt": 1, "gate": gate(0.875, 0.01), "failed_attempts": [{"attempt": 0, "gate": gate(0.5, 1.0)}]}
+    assert _runs(passed) == "2 (50.0 → 50.0, p 1; 50.0 → 87.5, p 0.01)"
+    assert _runs({"attempt": 0}) == "1"

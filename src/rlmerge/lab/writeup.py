@@ -216,15 +216,20 @@ def agents_table(seeds: Sequence[dict[str, Any]], settings: dict[str, dict[str, 
 
 
 def _runs(training: dict[str, Any]) -> str:
-    """How many runs an agent took and each run's gate scores ("1" for a run without the gate)."""
-    gates = [f.get("gate") for f in training.get("failed_attempts", [])] + [training.get("gate")]
-    if gates[-1] is None:
-        return str(len(gates))
+    """How many runs an agent took and each run's gate scores in the order they were trained ("1" for a run
+    without the gate), and which was kept when it was not the last (every run failed: the best on validation)."""
+    failed = training.get("failed_attempts", [])
+    kept = training.get("attempt", len(failed))
+    runs = sorted([(f.get("attempt", i), f.get("gate")) for i, f in enumerate(failed)]
+                  + [(kept, training.get("gate"))], key=lambda r: r[0])
+    if training.get("gate") is None:
+        return str(len(runs))
     def one(g: dict[str, Any]) -> str:  # the sign test's p where the gate recorded it
         p = f", p {g['p']:.2g}" if g.get("p") is not None else ""
         return f"{100 * g['base']:.1f} → {100 * g['agent']:.1f}{p}"
 
-    return f"{len(gates)} (" + "; ".join(one(g) for g in gates if g) + ")"
+    which = "" if runs[-1][0] == kept else f"; run {[a for a, _ in runs].index(kept) + 1} kept"
+    return f"{len(runs)} (" + "; ".join(one(g) for _, g in runs if g) + which + ")"
 
 
 def stage_times(seeds: Sequence[dict[str, Any]]) -> str:
