@@ -287,22 +287,17 @@ def _agent_family(size: LabSize, base: Path, out: Path, seed: int, fam: str) -> 
             break
         this = {"attempt": done.get("attempt", len(failed)),
                 **{k: done.get(k) for k in ("gate", "rewards", "density_by_step", "wall_s", "cpu_s")}}
-        if again is not None:
-            if _verdict(gate) != _verdict(again["gate"]):
-                _log(f"seed {seed}: NOTE agent '{fam}' run {again['attempt'] + 1} trained again scores "
-                     f"{_verdict(gate)}, where its first training scored {_verdict(again['gate'])}")
-            warnings.append(f"specialist {fam}: every one of {size.agent_attempts} runs failed the gate; run "
-                            f"{this['attempt'] + 1}, the best on validation, is kept")
-            _log(f"seed {seed}: WARNING agent '{fam}' {_verdict(gate)}: run {this['attempt'] + 1}, the best of "
-                 f"{size.agent_attempts} on validation, kept")
-            break
         if len(failed) + 1 >= size.agent_attempts:
-            best = _best_run([this, *failed])
+            # the best run trained again is kept as it scores (another pick could train again without end)
+            best = this if again is not None else _best_run([this, *failed])
             if best is this:
+                if again is not None and _verdict(gate) != _verdict(again["gate"]):
+                    _log(f"seed {seed}: NOTE agent '{fam}' run {again['attempt'] + 1} trained again scores "
+                         f"{_verdict(gate)}, where its first training scored {_verdict(again['gate'])}")
                 warnings.append(f"specialist {fam}: every one of {size.agent_attempts} runs failed the gate; run "
                                 f"{this['attempt'] + 1}, the best on validation, is kept")
-                _log(f"seed {seed}: WARNING agent '{fam}' {_verdict(gate)}, run {this['attempt'] + 1} of "
-                     f"{size.agent_attempts}, the best on validation: kept")
+                _log(f"seed {seed}: WARNING agent '{fam}' {_verdict(gate)}: run {this['attempt'] + 1}, the best of "
+                     f"{size.agent_attempts} on validation, kept")
                 break
             # an earlier run was better: it is trained again (the same seed gives the same weights here) and kept
             _log(f"seed {seed}: agent '{fam}' {_verdict(gate)}: every run failed the gate; run "

@@ -228,7 +228,7 @@ def _runs(training: dict[str, Any]) -> str:
         p = f", p {g['p']:.2g}" if g.get("p") is not None else ""
         return f"{100 * g['base']:.1f} → {100 * g['agent']:.1f}{p}"
 
-    which = "" if runs[-1][0] == kept else f"; run {[a for a, _ in runs].index(kept) + 1} kept"
+    which = "" if runs[-1][0] == kept else f"; run {kept + 1} kept"
     return f"{len(runs)} (" + "; ".join(one(g) for _, g in runs if g) + which + ")"
 
 
