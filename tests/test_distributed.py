@@ -29,6 +29,7 @@ import rlmerge  # noqa: E402 - after the importorskip
 from rlmerge.engine import distributed  # noqa: E402
 from rlmerge.engine.distributed import FAULT_ENV, merge_on_ray  # noqa: E402
 from rlmerge.errors import OutputError  # noqa: E402
+from test_interrupt_resume import _wait, _wait_for  # noqa: E402 - a signalled child's helpers
 from test_push import hub  # noqa: E402, F401 - the fake Hub, a fixture
 
 SHARD = 20_000  # bytes: the tiny example's output in 3 shards
@@ -377,16 +378,11 @@ def test_sigterm_after_ray_started_takes_the_interrupt_path(example, tmp_path: P
     p = subprocess.Popen([sys.executable, "-c", HELD_AFTER_INIT, "merge", str(base), *map(str, agents), "-o",
                           str(out), "--backend", "ray", "-q"], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        end = time.monotonic() + 120
-        while not ready.exists():
-            assert p.poll() is None, f"ended (rc {p.returncode}) before Ray started: {p.stderr.read()}"
-            assert time.monotonic() < end, "Ray did not start within 120 s"
-            time.sleep(0.05)
+        _wait_for(ready.exists, p, "Ray's start", timeout=120)
         p.send_signal(signal.SIGTERM)
-        rc = p.wait(60)
+        rc, stderr = _wait(p)
     finally:
         if p.poll() is None:
             p.kill()
-    stderr = p.stderr.read()
     assert rc == 130 and "interrupted: nothing was written" in stderr, (rc, stderr)
     assert not out.exists()
