@@ -121,6 +121,35 @@ def test_non_finite_delta_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             assert not out.exists()
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7])
+def test_round_zero_counts_are_numpys(n: int) -> None:
+    """hist_first counts every agent's |τ| keys (bits 30–20, exact zeros in the last column) as numpy does, for any
+    number of agents (counted three at a time, then a pair or one), over a range that starts and ends inside
+    tiles, added to what ``hist`` held; runs of zeros (spread over spare columns) and non-finite τ included."""
+    rng = np.random.default_rng(n)
+    size = 3 * 1024 + 517
+    base = (rng.standard_normal(size) * 0.02).astype(np.float32)
+    agents = []
+    for t in range(n):
+        moved = base + rng.standard_normal(size).astype(np.float32) * np.float32(10.0 ** -(2 + t % 3))
+        moved[: 1500 * (t % 2)] = base[: 1500 * (t % 2)]  # every other agent sparse: a long run of τ = 0
+        agents.append(moved)
+    agents[-1][400] = np.inf
+    b16 = (base.view(np.uint32) >> 16).astype(np.uint16)
+    a16 = tuple((a.view(np.uint32) >> 16).astype(np.uint16) for a in agents)
+    lo, hi = 300, size - 5
+    held = rng.integers(0, 1000, (n, BINS[0] + 1))
+    hist = held.copy()
+    family_kernels.hist_first(b16, a16, lo, hi, hist, None)
+    dec = lambda x: (x.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
+    for t in range(n):
+        with np.errstate(invalid="ignore", over="ignore"):
+            bits = (dec(a16[t][lo:hi]) - dec(b16[lo:hi])).view(np.uint32) & np.uint32(0x7FFFFFFF)
+        keys = np.where(bits == 0, BINS[0], bits >> 20)
+        assert (hist[t] - held[t] == np.bincount(keys, minlength=BINS[0] + 1)).all(), t
+    assert hist[n - 1, 0x7F8] - held[n - 1, 0x7F8] == 1  # the inf: at kernels.NONFINITE_BIN
+
+
 @pytest.mark.parametrize("form", ["stored", "tau"])
 def test_histogram_counts_equal_fed_values(form: str) -> None:
     """KthLargest fed by kernel histograms (the fast path) answers as when fed the values (the torch path), from
@@ -141,9 +170,9 @@ def test_histogram_counts_equal_fed_values(form: str) -> None:
     while not counted.done:
         fed.feed(tau)
         if counted.round == 0:
-            hist = np.zeros((2, kernels.SUBHISTS, BINS[0] + 1), dtype=np.int64)
+            hist = np.zeros((2, BINS[0] + 1), dtype=np.int64)
             family_kernels.hist_first(b16, a16, 0, 5000, hist, flag)
-            counted.add_counts(hist.sum(1))
+            counted.add_counts(hist)
         else:
             hist = np.zeros((4, BINS[counted.round] + 8), dtype=np.int64)
             family_kernels.hist_next(b16, a16, 0, 5000, counted.streams, counted.prefix, counted.active,

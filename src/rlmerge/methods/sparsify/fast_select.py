@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...io.writer import CheckpointWriter
-from ...kernels import SUBHISTS, rule_key
+from ...kernels import rule_key
 from ...stats import TensorStats
 from ...stream.fast import FastPath, job_reads, statistics_pass_fast, stats_args, write_slot
 from ...stream.match import Job
@@ -136,8 +136,8 @@ class SelectBackend:
         self.no_cut = np.full(n, NO_CUT, dtype=np.int64)
         self.stats_args = stats_args(n, run.stats.epsilon)
         self.whole_model = observer.preset.prune == "magnitude-global"
-        # round 0 per agent: sub-histograms of the digit, then the zeros; later rounds per query, spares past the end
-        self.hist0 = np.zeros((fast.threads, n, SUBHISTS, BINS[0] + 1), dtype=np.int64)
+        # round 0 per agent: the digit's counts, then the zeros; later rounds per query, spares past the end
+        self.hist0 = np.zeros((fast.threads, n, BINS[0] + 1), dtype=np.int64)
         self.histq = np.zeros((fast.threads, 0, max(BINS[1:]) + 8), dtype=np.int64)
         self._numel = 0
         self._gather: _Gather | None = None  # the bins being gathered instead of the next round
@@ -162,7 +162,7 @@ class SelectBackend:
             if not self._fused:  # (else the compute threads counted it after the block's statistics)
                 self.fast.parallel(base.shape[0], self._first_part(base, agents))
             self._fused = False
-            if self.hist0[:, :, :, kernels.NONFINITE_BIN:BINS[0]].any():  # |τ| ≥ inf: exponent all ones
+            if self.hist0[:, :, kernels.NONFINITE_BIN:BINS[0]].any():  # |τ| ≥ inf: exponent all ones
                 self.fast.raise_non_finite(job, start, base, agents)
             self._numel += base.shape[0]
             return
@@ -194,7 +194,7 @@ class SelectBackend:
             self._gather = None
             return False  # the selection is over
         if sel.round == 0:
-            counts = self.hist0.sum(axis=(0, 2))  # [N, BINS[0] + 1]: threads and sub-histograms added
+            counts = self.hist0.sum(0)  # [N, BINS[0] + 1]: the threads' counts added
             self.hist0[:] = 0
             if name is not None and self.run.cache is not None:
                 self.run.cache.put("hist0", "", name, np.asarray(counts, dtype=np.int64))
