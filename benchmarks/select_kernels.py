@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from rlmerge import kernels
 from rlmerge.methods._select import BINS, KthLargest
 from rlmerge.methods.sparsify import kernels as k
 
