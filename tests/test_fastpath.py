@@ -155,6 +155,29 @@ def test_pattern_histogram_equals_pairwise_counters(n_agents: int) -> None:
     np.testing.assert_allclose(got.dots, ref.dots, rtol=1e-12)
 
 
+@pytest.mark.parametrize("n_agents", [1, 3, 7])
+def test_kernel_pattern_counts_are_numpys(n_agents: int) -> None:
+    """The statistics kernel's pattern counts (int32 sub-histograms, then added to the caller's int64 ones) are
+    numpy's bincount of the codes, over a range starting and ending inside tiles, added to what the histogram
+    held; 7 agents take the one-histogram layout (4^7 bins)."""
+    from rlmerge.kernels.layout import hist_shape
+
+    rng = np.random.default_rng(n_agents)
+    size = 3 * kernels.TILE + 333
+    base = (rng.standard_normal(size) * 0.02).astype(np.float32)
+    agents = tuple(np.where(rng.random(size) < 0.5, base + rng.standard_normal(size).astype(np.float32) * 1e-2,
+                            base).astype(np.float32) for _ in range(n_agents))
+    lo, hi, eps = 100, size - 7, np.float32(1e-5)
+    held = rng.integers(0, 100, hist_shape(n_agents))
+    hist, gram = held.copy(), np.zeros((n_agents, n_agents))
+    kernels.fused_range(None, base, agents, lo, hi, eps, np.zeros(0, np.float32), np.zeros((0, n_agents), np.float32),
+                        np.empty(1, np.float32), hist, gram)
+    tau = np.stack([a[lo:hi] - base[lo:hi] for a in agents])
+    changed = np.abs(tau) > eps
+    code = sum((changed[t] << t) + ((changed[t] & (tau[t] < 0)) << (n_agents + t)) for t in range(n_agents))
+    assert ((hist - held).sum(0) == np.bincount(code, minlength=4**n_agents)).all()
+
+
 def test_non_finite_delta_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     base, agents = make_example(tmp_path / "in", shape=TINY)
     name = "model.layers.0.mlp.up_proj.weight"

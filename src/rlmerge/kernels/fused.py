@@ -24,6 +24,7 @@ from .layout import TILE
 
 PROGRAMS: dict[int, Program] = {}  # Program.key → program, registered before its kernel is called
 STATS_ONLY = 0  # the key of "no rule": the statistics pass's kernel
+_FLUSH = 1 << 30  # elements whose pattern counts an int32 sub-histogram holds before they are added to the caller's
 
 
 class ProgramKey:
@@ -99,7 +100,7 @@ _KEPT = '''
 '''
 _CODES = '''
     for j in range(m):  # the statistics' pattern code, in its own loop: folded into the one above, the
-        cd = zero       # compiler stops vectorising some rules (seen with task arithmetic)
+        cd = np.int32(0)  # compiler stops vectorising some rules (seen with task arithmetic)
 {lines}
         code[j] = cd
 '''
@@ -167,8 +168,8 @@ def source(n: int, key: int, collect: bool, base: str = "uint16", agent: str = "
     if collect:  # bit t: agent t changed the element (|τ| > ε); bit N + t: that change is negative
         codes = _CODES.format(lines="\n".join(
             f"        x = tau[{t}, j]\n"
-            f"        cd += (np.float32({1 << t}) + (np.float32({1 << (n + t)}) if x < zero else zero))"
-            f" if abs(x) > eps else zero" for t in range(n)))
+            f"        cd += (np.int32({1 << t}) + (np.int32({1 << (n + t)}) if x < zero else np.int32(0)))"
+            f" if abs(x) > eps else np.int32(0)" for t in range(n)))
     counted = ""
     if kept and key != STATS_ONLY:
         ts = range(n)
@@ -252,22 +253,34 @@ def _gram64(tau, m, gram):  # type: ignore[no-untyped-def]
 @njit(nogil=True, cache=True)
 def _hist(code, m, hist):  # type: ignore[no-untyped-def]
     """hist[k % S, code[k]] += 1 with S = hist.shape[0] sub-histograms (8, or 1 when 4^N bins are many): runs
-    of one code would otherwise serialise on one counter (measured: 2.1 → 0.9 ns per element at S = 8)."""
+    of one code would otherwise serialise on one counter (measured: 2.1 → 0.9 ns per element at S = 8). ``hist``
+    holds int32 counts of int32 codes, small enough for L1 (_range adds them to the caller's int64 ones): the
+    statistics kernel went from 1.57 to 1.29–1.35 ns per element with float32 codes counted into int64 (three
+    agents, one thread, a 4.4 M-element ``down_proj`` of the 0.5B set)."""
     j = 0
     if hist.shape[0] == 8:
         while j + 8 <= m:
-            hist[0, np.int64(code[j])] += 1
-            hist[1, np.int64(code[j + 1])] += 1
-            hist[2, np.int64(code[j + 2])] += 1
-            hist[3, np.int64(code[j + 3])] += 1
-            hist[4, np.int64(code[j + 4])] += 1
-            hist[5, np.int64(code[j + 5])] += 1
-            hist[6, np.int64(code[j + 6])] += 1
-            hist[7, np.int64(code[j + 7])] += 1
+            hist[0, code[j]] += 1
+            hist[1, code[j + 1]] += 1
+            hist[2, code[j + 2]] += 1
+            hist[3, code[j + 3]] += 1
+            hist[4, code[j + 4]] += 1
+            hist[5, code[j + 5]] += 1
+            hist[6, code[j + 6]] += 1
+            hist[7, code[j + 7]] += 1
             j += 8
     while j < m:
-        hist[0, np.int64(code[j])] += 1
+        hist[0, code[j]] += 1
         j += 1
+
+
+@njit(nogil=True, cache=True)
+def _flush(local, hist):  # type: ignore[no-untyped-def]
+    """hist += local (int32 counts into the caller's int64 ones); local zeroed."""
+    for s in range(local.shape[0]):
+        for c in range(local.shape[1]):
+            hist[s, c] += local[s, c]
+            local[s, c] = 0
 
 
 @njit(nogil=True)
@@ -286,12 +299,18 @@ def _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exa
                       key)
         return bad
     tau = np.empty((n_agents, TILE), dtype=np.float32)
-    code = np.empty(TILE, dtype=np.float32)
+    code = np.empty(TILE, dtype=np.int32)
+    local = np.zeros(hist.shape, dtype=np.int32)  # counted here, added to ``hist`` every 2^30 elements and at the end
     gram_t = np.zeros((n_agents, n_agents), dtype=np.float64)
+    counted = 0
     for start in range(lo, hi, TILE):
         m = np.uint64(min(TILE, hi - start))
         rule_tile(base, agents, np.uint64(start), m, consts, agent_consts, out, tau, code, eps, rescaled, kept, key)
-        _hist(code, m, hist)
+        _hist(code, m, local)
+        counted += TILE
+        if counted >= _FLUSH:
+            _flush(local, hist)
+            counted = 0
         gram_t[:] = 0.0
         if exact:
             bad |= _gram64(tau, m, gram_t)
@@ -299,6 +318,7 @@ def _range(base, agents, lo, hi, eps, consts, agent_consts, out, hist, gram, exa
             gram_t[:] = 0.0
             bad |= _gram64(tau, m, gram_t)
         gram += gram_t
+    _flush(local, hist)
     return bad
 
 
