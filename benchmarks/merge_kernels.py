@@ -6,7 +6,9 @@ time), the merge is run ``--repeat`` times in this process (the first also loads
 sums of each run are printed beside its wall time. Main-thread work between kernels (sampling, page releases,
 Python) is what the wall time has beyond them: ``in hand-offs`` is the wall time the main thread spent handing
 blocks to the compute threads and waiting for them (``Workers.map``), ``outside`` the rest, while the compute
-threads wait. docs/benchmarks.md quotes it.
+threads wait. ``CPU s`` is the CPU time of the whole process, of the main thread and of each pool of worker threads
+(compute, write, read, readahead; each thread's ``time.thread_time`` as it ends): on two CPUs a merge cannot take
+less wall time than half its process CPU. docs/benchmarks.md quotes it.
 
     PYTHONPATH=src python benchmarks/merge_kernels.py /work/bench-data/redesign/0.5b --method ties \\
         --params '{"density": 0.5}'
@@ -72,6 +74,17 @@ def main() -> None:
             handing[1] += 1
 
     Workers.map = timed_map  # type: ignore[method-assign]
+    pools: dict[str, float] = collections.defaultdict(float)  # CPU seconds of each pool's threads, as they end
+    plain_loop = Workers._loop
+
+    def counted_loop(self: Workers) -> None:
+        try:
+            plain_loop(self)
+        finally:
+            with lock:
+                pools[threading.current_thread().name.rsplit("-", 1)[0].removeprefix("rlmerge-")] += time.thread_time()
+
+    Workers._loop = counted_loop  # type: ignore[method-assign]
     timed(engine_kernels, "fused_range")
     for name in family_kernels._ENTRIES:
         timed(family_kernels, name)
@@ -81,15 +94,20 @@ def main() -> None:
             spent.clear()
             calls.clear()
             handing[:] = [0.0, 0]
+            pools.clear()
             out = Path(scratch) / "out"
-            t = time.perf_counter()
+            t, cpu, main_cpu = time.perf_counter(), time.process_time(), time.thread_time()
             rlmerge.merge(args.set / "base", agents, out, method=args.method, params=json.loads(args.params))
             wall = time.perf_counter() - t
+            cpu, main_cpu = time.process_time() - cpu, time.thread_time() - main_cpu
             shutil.rmtree(out)
             parts = ", ".join(f"{k} {v:.2f} s / {calls[k]}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
             print(f"run {run + 1}: {args.method} {wall:.2f} s wall; kernels (s / calls): {parts}; "
                   f"sum {sum(spent.values()):.2f} s; in hand-offs {handing[0]:.2f} s / {handing[1]}, outside them "
                   f"{wall - handing[0]:.2f} s", flush=True)
+            threads = ", ".join(f"{k} {v:.2f}" for k, v in sorted(pools.items()))
+            print(f"       CPU s: process {cpu:.2f} (main thread {main_cpu:.2f}; {threads}) in {wall:.2f} s wall",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""CPU time of the selection kernels of TIES / Breadcrumbs on one block of a benchmark set (docs/benchmarks.md).
+"""CPU time of the kernels of a TIES / Breadcrumbs read on one block of a benchmark set (docs/benchmarks.md).
 
-One thread, ``time.thread_time``, best of 3: round 0's histogram (``hist_first``, every agent), a later round's
-(``hist_next``, the queries still active) and the gather that can replace the later rounds (``gather_bin``), on
-the first ``--block`` elements of ``--tensor`` of a set ``benchmarks/run.py`` made, ranks at ``--density``.
+One thread, ``time.thread_time``, best of 3: the statistics kernel every method's first read runs
+(``fused_range`` with no rule: the k-of-N pattern counts and the Gram sums), round 0's histogram (``hist_first``,
+every agent), a later round's (``hist_next``, the queries still active) and the gather that can replace the later
+rounds (``gather_bin``), on the first ``--block`` elements of ``--tensor`` of a set ``benchmarks/run.py`` made,
+ranks at ``--density``.
 
     python benchmarks/select_kernels.py /work/bench-data/redesign/0.5b
 """
@@ -17,6 +19,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from rlmerge import kernels
+from rlmerge.kernels.layout import hist_shape
 from rlmerge.methods._select import BINS, KthLargest
 from rlmerge.methods.sparsify import kernels as k
 
@@ -65,8 +69,12 @@ def main() -> None:
     n, q = len(base), len(agents)
     hist = np.zeros((q, BINS[0] + 1), dtype=np.int64)
     print(f"{a.tensor}, {n} elements, agents {[d.name for d in agents_dirs]}, rank {int(a.density * n)}")
+    patterns, gram = np.zeros(hist_shape(q), dtype=np.int64), np.zeros((q, q))
+    rule = (np.zeros(0, np.float32), np.zeros((0, q), np.float32), np.empty(1, np.float32))
+    t = best(lambda: kernels.fused_range(None, base, agents, 0, n, np.float32(1e-5), *rule, patterns, gram))
+    print(f"statistics (fused_range, no rule, {q} agents): {t * 1e3:.1f} ms ({t / n * 1e9:.2f} ns an element)")
     t = best(lambda: k.hist_first(base, agents, 0, n, hist, None))
-    print(f"hist_first (round 0, {q} agents): {t * 1e3:.1f} ms")
+    print(f"hist_first (round 0, {q} agents): {t * 1e3:.1f} ms ({t / n * 1e9:.2f} ns an element)")
     hist[:] = 0
     k.hist_first(base, agents, 0, n, hist, None)
     sel = KthLargest(n_streams=q, streams=list(range(q)))
