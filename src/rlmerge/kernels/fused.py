@@ -254,9 +254,9 @@ def _gram64(tau, m, gram):  # type: ignore[no-untyped-def]
 def _hist(code, m, hist):  # type: ignore[no-untyped-def]
     """hist[k % S, code[k]] += 1 with S = hist.shape[0] sub-histograms (8, or 1 when 4^N bins are many): runs
     of one code would otherwise serialise on one counter (measured: 2.1 → 0.9 ns per element at S = 8). ``hist``
-    holds int32 counts of int32 codes, small enough for L1 (_range adds them to the caller's int64 ones): the
-    statistics kernel went from 1.57 to 1.29–1.35 ns per element with float32 codes counted into int64 (three
-    agents, one thread, a 4.4 M-element ``down_proj`` of the 0.5B set)."""
+    holds int32 counts of int32 codes, small enough for L1 (_range adds them to the caller's int64 ones): with
+    float32 codes counted into int64 the statistics kernel took 1.62 ns per element, now 1.38 (medians of five
+    alternated runs of benchmarks/select_kernels.py: three agents, one thread, the 0.5B set's layer-3 down_proj)."""
     j = 0
     if hist.shape[0] == 8:
         while j + 8 <= m:

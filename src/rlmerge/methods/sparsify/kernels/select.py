@@ -32,8 +32,8 @@ def hist_first(base, agents, lo, hi, hist, tau):  # type: ignore[no-untyped-def]
     with three agents' increments interleaved, into int32 counts small enough for L1 (2,057 per agent) that are
     added to ``hist`` at the end. A run of zeros (a sparse agent's) would serialise on one counter: its keys go
     round eight spare columns, added to the zeros' column. Measured on a 4.4 M-element ``down_proj`` of the 0.5B
-    set, one thread: 1.6 ns per element for three agents, where sub-histograms of int64 counted agent by agent
-    took 2.3–2.6 (docs/benchmarks.md).
+    set, one thread (benchmarks/select_kernels.py): 1.7 ns per element for three agents, where sub-histograms of
+    int64 counted agent by agent took 2.5 (docs/benchmarks.md).
     """
     n = len(agents)
     bins = hist.shape[1] - 1
