@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -236,6 +237,55 @@ def test_fsync_by_default_and_no_fsync_writes_the_same_files(example, tmp_path: 
     assert files == sorted(p.name for p in (tmp_path / "b").iterdir())
     for f in files:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+def _resident(path: Path) -> np.ndarray:
+    """Per page of ``path``, whether it is in the page cache: mincore(2) on a mapping of it (Linux)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = path.stat().st_size
+    vec = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
+        view = np.frombuffer(mm, dtype=np.uint8)
+        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec.ctypes.data_as(ctypes.c_void_p))
+        del view
+    assert rc == 0, ctypes.get_errno()
+    return (vec & 1).astype(bool)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range and mincore are Linux's")
+def test_written_output_leaves_the_page_cache_once_on_disk(example, tmp_path: Path, monkeypatch) -> None:
+    """With fsync (the default) each chunk of a shard is dropped from the page cache once written back, and the rest
+    after the shard's fsync (io/writer.settle: the next writes reuse those pages); --no-fsync leaves them to the OS.
+    Same bytes either way (the test above)."""
+    import mmap
+    import os
+
+    from rlmerge.io import writer
+
+    settled: list[int] = []  # pages of each settled range still cached right after it was settled
+
+    def settle(fd: int, offset: int, nbytes: int) -> None:
+        real(fd, offset, nbytes)
+        pages = _resident(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        settled.append(int(pages[offset // mmap.PAGESIZE:(offset + nbytes) // mmap.PAGESIZE].sum()))
+
+    real = writer.settle
+    monkeypatch.setattr(writer, "WRITEBACK_CHUNK", 8192)
+    monkeypatch.setattr(writer, "settle", settle)
+    base, agents = example
+    argv = ["merge", str(base), *map(str, agents), "-q", "--method", "ram"]
+    assert main([*argv, "-o", str(tmp_path / "a")]) == 0
+    shards = sorted((tmp_path / "a").glob("*.safetensors"))
+    assert shards and len(settled) > 2 and settled == [0] * len(settled)  # each chunk dropped once written back
+    assert [int(_resident(f).sum()) for f in shards] == [0] * len(shards)  # and the rest after the fsync
+    settled.clear()
+    assert main([*argv, "-o", str(tmp_path / "b"), "--no-fsync"]) == 0
+    assert not settled
+    assert sum(int(_resident(f).sum()) for f in sorted((tmp_path / "b").glob("*.safetensors"))) > 0
 
 
 def test_one_weight_for_every_agent(example, tmp_path: Path, capsys) -> None:
