@@ -9,7 +9,8 @@
 Each merge runs as a child process; its peak RSS comes from GNU time (``%M``). ``wall`` is the child's whole life
 (interpreter start and imports included) and is what × mergekit compares; ``merge s`` is the time inside
 ``rlmerge.merge`` and is what × floor compares, the floor being one read of every input byte from the page
-cache plus one write of the output's bytes, measured in the same run on the same files. rlmerge fsyncs its
+cache plus one write of the output's bytes as rlmerge's writer does it (on the disk at the end: rlmerge fsyncs;
+with ``--no-fsync``, into the page cache), measured in the same run on the same files. rlmerge fsyncs its
 output (``--no-fsync``: it does not, like mergekit); ``+ sync`` is what a ``sync`` after each process still had
 to write, so ``× mergekit (on disk)`` compares the two tools with both outputs on disk.
 
@@ -20,7 +21,7 @@ end: mergekit holds whole tensors of every model and slows down on a machine sho
 
 ``--cold`` (root: it writes /proc/sys/vm/drop_caches) empties the page cache before the floor's read and before
 every child instead of warming it, so every input is read from the disk once more: the floor is then a cold read
-of every input plus a write of the output with its fsync (rlmerge fsyncs), and × floor compares with that.
+of every input plus the write of the output, and × floor compares with that.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dataset import SIZES, make_set  # noqa: E402  (benchmarks/ is not a package)
+
+from rlmerge.io import writer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TIME = "/usr/bin/time"  # GNU time: peak RSS of exactly one child (apt-get install time)
@@ -129,9 +132,10 @@ def run_child(cmd: list[str]) -> tuple[float, float, str, float]:
     return wall, int(kb.split("=")[1]) / 2**20, proc.stdout, sync
 
 
-def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, float, float]:
-    """Seconds to read every input byte once (page cache warmed first), to write out_bytes once, and to write
-    them and fsync them (the output on disk, as rlmerge leaves it)."""
+def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, float, float, float]:
+    """Seconds to read every input byte once (page cache warmed first); to write out_bytes once as rlmerge's writer
+    does (space reserved, writeback started every chunk, each chunk dropped from the page cache once on disk, then
+    fsync: the output durable); and, into a second file, to write them into the page cache and to fsync that."""
     buf = np.empty(64 << 20, dtype=np.uint8)
     view = memoryview(buf)
 
@@ -152,6 +156,24 @@ def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, floa
     read = read_all()
     os.sync()
     t0 = time.perf_counter()
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, out_bytes)
+        written = flushed = settled = 0
+        while written < out_bytes:
+            written += os.write(fd, view[: min(out_bytes - written, len(view))])
+            if written - flushed >= writer.WRITEBACK_CHUNK or written == out_bytes:
+                writer.start_writeback(fd, flushed, written - flushed)
+                if flushed > settled:
+                    writer.settle(fd, settled, flushed - settled)
+                    settled = flushed
+                flushed = written
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    settled_s = time.perf_counter() - t0
+    scratch.unlink()
+    t0 = time.perf_counter()
     with open(scratch, "wb") as fh:
         left = out_bytes
         while left > 0:
@@ -161,7 +183,7 @@ def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, floa
         os.fsync(fh.fileno())
     durable = time.perf_counter() - t0
     scratch.unlink()
-    return read, write, durable
+    return read, settled_s, write, durable
 
 
 # mergekit's two numeric settings: as most users write a recipe (bf16 in, bf16 compute, bf16 out), and
@@ -271,11 +293,16 @@ def main() -> None:
     args.out_dir = args.out_dir or args.workdir
     args.out_dir.mkdir(parents=True, exist_ok=True)
     COLD[0] = args.cold
-    read_s, write_s, durable_s = floor(inputs, out_bytes, args.out_dir / "floor.tmp")
-    floor_s = read_s + (durable_s if args.cold else write_s)
-    print(f"floor{' (cold: read from the disk, write + fsync)' if args.cold else ''}: "
+    read_s, settled_s, write_s, durable_s = floor(inputs, out_bytes, args.out_dir / "floor.tmp")
+    # rlmerge fsyncs its output: the floor writes it as rlmerge's writer does, on the disk at the end (the page
+    # cache's write alone moved 0.2–9.0 s for the same gigabyte here, with the host's faults on fresh pages,
+    # docs/benchmarks.md); with --no-fsync, into the page cache as rlmerge then leaves it
+    floor_s = read_s + (write_s if args.no_fsync else settled_s)
+    print(f"floor{' (cold: read from the disk)' if args.cold else ''}: "
           f"read {in_bytes / 1e9:.2f} GB in {read_s:.2f} s + write {out_bytes / 1e9:.2f} GB in "
-          f"{write_s:.2f} s = {floor_s:.2f} s (write + fsync: {durable_s:.2f} s)", flush=True)
+          f"{write_s if args.no_fsync else settled_s:.2f} s = {floor_s:.2f} s ("
+          f"{'into the page cache' if args.no_fsync else 'on the disk, as rlmerge writes it'}; the same bytes into "
+          f"the page cache: {write_s:.2f} s, with fsync {durable_s:.2f} s)", flush=True)
     mk_bin = args.mergekit / "bin" / "mergekit-yaml"
     use_mk = not args.no_mergekit and mk_bin.is_file()
     keys = [k for k in args.methods.split(",") if CASES[k].rlmerge in REGISTRY]
@@ -300,7 +327,7 @@ def main() -> None:
     print_table(rows, floor_s, tag, args.mk_settings if use_mk else [])
     if args.json:
         args.json.write_text(json.dumps({"set": tag, "machine": machine(), "floor_s": floor_s, "read_s": read_s,
-                                         "write_s": write_s,
+                                         "write_settled_s": settled_s, "write_s": write_s,
                                          "write_fsync_s": durable_s, "fsync": not args.no_fsync, "cold": args.cold,
                                          "rows": rows},
                                         indent=2))
@@ -378,9 +405,9 @@ def print_table(rows: list[dict], floor_s: float, tag: str, settings: list[str])
     """wall: the process's life; + sync: what it left for the disk to write; × mergekit: mergekit's wall against
     rlmerge's (mergekit leaves its output in the page cache), and with both outputs on disk (wall + sync each),
     one group of columns per mergekit numeric setting, side by side."""
-    # The floor's write moves with the kernel's dirty-page throttling (0.25–3.0 s for the same gigabyte in one
-    # afternoon, docs/benchmarks.md); a merge against task arithmetic in the same run, which reads and writes the
-    # same bytes, holds still: what a method's own kernels add.
+    # The floor's write moves with the machine (into the page cache 0.2–9.0 s for the same gigabyte, with the
+    # host's faults on fresh pages, docs/benchmarks.md); a merge against task arithmetic in the same run, which
+    # reads and writes the same bytes, holds still: what a method's own kernels add.
     ta = next((r["merge_s"] for r in rows if r["method"] == "task_arithmetic"), None)
     head = f"| method ({tag}) | wall s | + sync s | merge s | peak RSS GB | × floor ({floor_s:.2f} s) |"
     rule = "|---|---:|---:|---:|---:|---:|"
