@@ -61,10 +61,11 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 
 # the suite on TEST_WORKERS processes (pytest-xdist), each test file whole on one of them (its module fixtures built
-# once): 2 for CI's two cores; TEST_WORKERS=0 runs it in this process
+# once): 2 for CI's two cores; TEST_WORKERS=0 runs it in this process. The 25 slowest tests are listed at the end:
+# the suite must stay under 15 minutes on 2 cores.
 TEST_WORKERS ?= 2
 test: setup mergekit verl sandbox lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV) $(MERGEKIT_VENV) $(VERL_VENV) demo-output
