@@ -134,8 +134,8 @@ def run_child(cmd: list[str]) -> tuple[float, float, str, float]:
 
 def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, float, float, float]:
     """Seconds to read every input byte once (page cache warmed first); to write out_bytes once as rlmerge's writer
-    does (space reserved, writeback started every chunk, each chunk dropped from the page cache once on disk, then
-    fsync: the output durable); and, into a second file, to write them into the page cache and to fsync that."""
+    does (space reserved, then writer.Writeback's pace and writer.durable: the output on the disk); and, into a
+    second file, to write them into the page cache and to fsync that."""
     buf = np.empty(64 << 20, dtype=np.uint8)
     view = memoryview(buf)
 
@@ -159,16 +159,12 @@ def floor(files: list[Path], out_bytes: int, scratch: Path) -> tuple[float, floa
     fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.posix_fallocate(fd, 0, out_bytes)
-        written = flushed = settled = 0
+        written, writeback = 0, writer.Writeback()
         while written < out_bytes:
             written += os.write(fd, view[: min(out_bytes - written, len(view))])
-            if written - flushed >= writer.WRITEBACK_CHUNK or written == out_bytes:
-                writer.start_writeback(fd, flushed, written - flushed)
-                if flushed > settled:
-                    writer.settle(fd, settled, flushed - settled)
-                    settled = flushed
-                flushed = written
-        os.fsync(fd)
+            if writeback.due(written):
+                writeback.advance(fd, written)
+        writer.durable(fd)
     finally:
         os.close(fd)
     settled_s = time.perf_counter() - t0

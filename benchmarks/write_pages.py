@@ -2,7 +2,7 @@
 written back (io/writer.settle), docs/benchmarks.md.
 
 Writes ``--gib`` GiB of random bytes in 8 MiB calls into a reserved file (posix_fallocate, as the writer does),
-asking for writeback every 32 MiB (writer.start_writeback) either as rlmerge did before (``fresh``: the pages stay
+asking for writeback every 32 MiB (writer.Writeback) either as rlmerge did before (``fresh``: the pages stay
 in the page cache until the file is deleted) or as it does now (``settled``: each chunk, once written back, leaves
 the page cache: writer.settle); then fsync. The two alternate ``--rounds`` times, in either order, with a pause of
 ``--pause`` seconds before each (on a VM whose balloon reports free pages to the host, pages free for a while go
@@ -33,19 +33,15 @@ def write(path: Path, nbytes: int, settle: bool) -> tuple[float, float, float]:
     try:
         os.posix_fallocate(fd, 0, nbytes)
         in_write, wall, cpu = 0.0, time.perf_counter(), time.thread_time()
-        written = flushed = settled = 0
+        written, writeback = 0, writer.Writeback(drop=settle)
         while written < nbytes:
             t = time.thread_time()
             os.write(fd, buf)
             in_write += time.thread_time() - t
             zlib.crc32(buf)
             written += CALL
-            if written - flushed >= writer.WRITEBACK_CHUNK:
-                writer.start_writeback(fd, flushed, written - flushed)
-                if settle and flushed > settled:
-                    writer.settle(fd, settled, flushed - settled)
-                    settled = flushed
-                flushed = written
+            if writeback.due(written):
+                writeback.advance(fd, written)
         os.fsync(fd)
         return time.perf_counter() - wall, in_write, time.thread_time() - cpu
     finally:

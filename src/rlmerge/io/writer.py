@@ -80,8 +80,9 @@ def settle(fd: int, offset: int, nbytes: int) -> None:
 
     Why: on a VM whose balloon reports free memory to the host (this machine's does: virtio_balloon with free page
     reporting), a page the kernel has not used for a while is given back to the host, and the first write into it
-    makes the host find memory for it again. Writing 1 GiB into fresh page cache cost 1.3–7.8 s of CPU in the
-    ``write`` calls here; dropping each 32 MiB chunk once written back, 0.16–0.20 s (docs/benchmarks.md). The
+    makes the host find memory for it again. Writing 1 GiB into fresh page cache cost 1.72–8.93 s of CPU in the
+    ``write`` calls here; dropping each 32 MiB chunk once written back, 0.12–0.73 s (benchmarks/write_pages.py,
+    docs/benchmarks.md). The
     output then is not left in the page cache (nor does it push the inputs out of it). A shard is still fsynced
     when complete; this only waits for what ``start_writeback`` began. Linux only; elsewhere nothing.
     """
@@ -91,6 +92,38 @@ def settle(fd: int, offset: int, nbytes: int) -> None:
         if hasattr(os, "posix_fadvise"):  # whole pages only are dropped: the range's first one too (a dirty page
             lo = offset // mmap.PAGESIZE * mmap.PAGESIZE  # the next chunk shares at its end stays: only clean go)
             os.posix_fadvise(fd, lo, offset + nbytes - lo, os.POSIX_FADV_DONTNEED)
+
+
+class Writeback:
+    """How the writer hands a file it writes front to back to the disk, in one place (CheckpointWriter, and the
+    benchmarks that measure a write as rlmerge does it): every WRITEBACK_CHUNK bytes their writeback is started
+    (start_writeback), and the chunk before, written back by then, leaves the page cache (settle; ``drop=False``:
+    it stays, as before 2026-12-06, which benchmarks/write_pages.py compares); ``durable`` at the end."""
+
+    def __init__(self, *, drop: bool = True) -> None:
+        self.drop = drop
+        self.flushed = 0  # bytes handed to the disk (writeback started) …
+        self.settled = 0  # … and of those, written back and dropped from the page cache
+
+    def due(self, written: int) -> bool:
+        """Whether, with ``written`` bytes of the file written, a chunk is waiting for its writeback."""
+        return written - self.flushed >= WRITEBACK_CHUNK
+
+    def advance(self, fd: int, written: int) -> None:
+        """The first ``written`` bytes of ``fd`` are with the OS: start the writeback of those not yet handed over,
+        and settle the chunk before them (its writeback began a chunk ago)."""
+        start_writeback(fd, self.flushed, written - self.flushed)
+        if self.drop and self.flushed > self.settled:
+            settle(fd, self.settled, self.flushed - self.settled)
+            self.settled = self.flushed
+        self.flushed = written
+
+
+def durable(fd: int) -> None:
+    """fsync ``fd``; every page now clean, the rest of the file leaves the page cache too (see settle)."""
+    os.fsync(fd)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _reserve(fd: int, nbytes: int) -> None:
@@ -210,9 +243,8 @@ class CheckpointWriter(SideFiles):
         self._shard_i = -1
         self._fh: Any = None
         self._crc = 0  # CRC-32 of the current shard so far
-        self._written = 0  # bytes of the current shard written so far …
-        self._flushed = 0  # … and of those, handed to the disk (writeback started) …
-        self._settled = 0  # … and of those, written back and dropped from the page cache (settle)
+        self._written = 0  # bytes of the current shard written so far
+        self._writeback = Writeback()  # … and how far they went to the disk
         self._remaining = 0  # bytes still owed to the current tensor
         self._background = background
         self._queue: Workers | None = None  # the writer thread (background=True)
@@ -323,7 +355,7 @@ class CheckpointWriter(SideFiles):
         except OSError as e:
             raise disk_error(e, path) from e
         self._crc = zlib.crc32(header)
-        self._written, self._flushed, self._settled = len(header), 0, 0
+        self._written, self._writeback = len(header), Writeback()
         self._shard_i = i
 
     def _close_shard(self) -> None:
@@ -335,9 +367,7 @@ class CheckpointWriter(SideFiles):
         try:
             self._fh.flush()
             if self.fsync:
-                os.fsync(self._fh.fileno())
-                if hasattr(os, "posix_fadvise"):  # every page now clean: the rest of the shard leaves the cache too
-                    os.posix_fadvise(self._fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                durable(self._fh.fileno())
             self._fh.close()
         except OSError as e:
             raise disk_error(e, path) from e
@@ -358,14 +388,9 @@ class CheckpointWriter(SideFiles):
         self._crc = zlib.crc32(buf, self._crc)
         self._remaining -= buf.nbytes
         self._written += buf.nbytes
-        if self.fsync and self._written - self._flushed >= WRITEBACK_CHUNK:
+        if self.fsync and self._writeback.due(self._written):
             self._fh.flush()
-            fd = self._fh.fileno()
-            start_writeback(fd, self._flushed, self._written - self._flushed)
-            if self._flushed > self._settled:  # the chunk before this one: its writeback began a chunk ago
-                settle(fd, self._settled, self._flushed - self._settled)
-                self._settled = self._flushed
-            self._flushed = self._written
+            self._writeback.advance(self._fh.fileno(), self._written)
 
     # -- the final rename ------------------------------------------------------------------------------
     def complete(self) -> None:
