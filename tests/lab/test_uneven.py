@@ -522,17 +522,21 @@ def test_a_worker_killed_midway_is_named_with_what_to_do() -> None:
 
 
 _SIGTERM_SCRIPT = """
-import multiprocessing, sys, time
+import multiprocessing, signal, sys, threading, time
 from rlmerge.cli import main
 from rlmerge.lab import jobs as lab_jobs, pipeline
 
 def run_lab(size, out, *, jobs=1, **kwargs):  # the lab's stages as long sleeps in its --jobs workers
-    with lab_jobs.workers_for(jobs) as workers:
-        futures = [workers.pool.submit(time.sleep, 120) for _ in range(jobs)]
-        while len(multiprocessing.active_children()) < jobs:
-            time.sleep(0.05)
-        print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
-        [f.result() for f in futures]
+    with lab_jobs.workers_for(jobs, log=lambda line: None) as workers:
+        def started():
+            while len(multiprocessing.active_children()) < jobs:
+                time.sleep(0.05)
+            print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+            if sys.argv[2] == "thread":  # the kernel may hand a process's signal to any of its threads: this one
+                sys.stdin.readline()
+                signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        threading.Thread(target=started, daemon=True).start()
+        lab_jobs.each(workers, time.sleep, [(120,)] * jobs, [f"agent {i}" for i in range(jobs)])
 
 if __name__ == "__main__":
     pipeline.run_lab = run_lab
@@ -550,9 +554,14 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
-def test_a_sigterm_to_the_main_process_alone_ends_the_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("taken_by", ["main thread", "thread"])
+def test_a_sigterm_to_the_main_process_alone_ends_the_workers(tmp_path: Path, taken_by: str) -> None:
     """--jobs: a job scheduler's timeout (SIGTERM to the lab's process, not its group) ends the workers' stages too,
-    and the command exits as interrupted (130), instead of leaving workers that write stage records after it."""
+    and the command exits as interrupted (130), instead of leaving workers that write stage records after it.
+
+    ``thread``: the signal is taken by another thread of the process than the main one (the kernel may wake any
+    thread that does not block it; Python then runs its handler in the main thread only when that thread runs
+    Python again): the lab's wait on its workers still ends within seconds, not when a stage ends (120 s here)."""
     import os
     import signal
     import subprocess
@@ -561,13 +570,18 @@ def test_a_sigterm_to_the_main_process_alone_ends_the_workers(tmp_path: Path) ->
 
     script = tmp_path / "lab_sigterm.py"
     script.write_text(_SIGTERM_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out"), taken_by.split()[0]],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stdin is not None
         workers = [int(p) for p in proc.stdout.readline().split()]
         assert len(workers) == 2 and all(_running(p) for p in workers)
-        os.kill(proc.pid, signal.SIGTERM)
+        if taken_by == "thread":
+            proc.stdin.write("term\n")
+            proc.stdin.flush()
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 130
         deadline = time.time() + 20
         while any(_running(p) for p in workers) and time.time() < deadline:

@@ -33,6 +33,7 @@ from rlmerge.lab.stages import write_json
 
 GB = 1 << 30
 BUDGET_SHARE = 0.9  # of the memory available: the main process, the page cache of the checkpoints, a margin
+SIGNAL_POLL = 1.0  # seconds the main process waits on its workers at a time (`each`): see there
 
 
 def reset_peak() -> bool:
@@ -218,7 +219,13 @@ def each(workers: Workers | None, fn: Callable[..., Any], items: Sequence[tuple[
                     used = sum(estimates[j][0] for j in running.values())
                     workers.log(f"memory: {names[i]} (~{_gb(estimates[i][0])}) waits: the running stages take "
                                 f"~{_gb(used)} of {_gb(budget)}")
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            done: set[Future[Any]] = set()
+            while not done:
+                # Woken every SIGNAL_POLL seconds, not only when a stage ends: a SIGTERM that the kernel gave to
+                # another of this process's threads (the executor's, a library's) is only run in the main thread
+                # once it runs Python again, and a wait without a timeout would hold it for the rest of a stage
+                # (minutes; the 120 s of a test's stage, seen once in a CI run).
+                done, _ = wait(running, timeout=SIGNAL_POLL, return_when=FIRST_COMPLETED)
             for future in done:
                 i = running.pop(future)
                 results[i], peak = future.result()
