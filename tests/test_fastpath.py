@@ -459,3 +459,61 @@ def test_a_tensor_just_larger_than_the_block_is_selected_in_one_read(tmp_path: P
     for key, value in outputs["whole"].items():
         for name in ("near", "under"):
             assert torch.equal(outputs[name][key], value), (name, key)
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_a_hand_off_is_whole_tiles_in_order_on_any_free_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               threads: str) -> None:
+    """FastPath.parallel cuts [0, n) into at most PARTS_PER_THREAD slices per compute thread, in order, each
+    starting at a whole tile (the statistics' partial sums then do not depend on the cut); only a one-slice
+    hand-off runs on the calling thread, and with more slices than threads a thread takes several."""
+    import threading
+
+    from rlmerge.io.open import open_all
+    from rlmerge.kernels import TILE
+    from rlmerge.stream.match import match_models
+    from rlmerge.synthetic import Shape
+
+    monkeypatch.setenv("RLMERGE_THREADS", threads)
+    shape = Shape("qwen2", vocab=512, hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128, tie=True)
+    base, agents = make_example(tmp_path / "in", shape=shape)
+    models = open_all([base, *agents])
+    fast = fastpath.FastPath(match_models(models[0], models[1:]), 4096)
+    parts = int(threads) * fastpath.PARTS_PER_THREAD
+    assert fast.parts == parts
+    gate = threading.Barrier(int(threads)) if int(threads) > 1 else None
+    seen: list[tuple[int, int, int, str]] = []
+    lock = threading.Lock()
+
+    def part(k: int, lo: int, hi: int) -> int:
+        with lock:
+            seen.append((k, lo, hi, threading.current_thread().name))
+        return k
+
+    for n in (0, 1, TILE, TILE + 1, 3 * TILE - 5, parts * TILE, 10 * parts * TILE + 7):
+        seen.clear()
+        assert fast.parallel(n, part) == sorted(k for k, *_ in seen)  # results in slice order
+        cuts = sorted(seen)
+        assert [c[0] for c in cuts] == list(range(len(cuts))) and 1 <= len(cuts) <= parts
+        assert cuts[0][1] == 0 and cuts[-1][2] == n
+        assert all(a[2] == b[1] for a, b in zip(cuts, cuts[1:]))  # contiguous
+        assert all(lo % TILE == 0 for _, lo, _, _ in cuts)
+        assert all(hi > lo for _, lo, hi, _ in cuts[1:])  # no empty slice after the first
+        names = {name for *_, name in cuts}
+        if len(cuts) == 1:  # no hand-off
+            assert names == {threading.current_thread().name}
+        else:
+            assert all(name.startswith("rlmerge-compute") for name in names)
+    if gate is not None:  # every compute thread is free to take slices: two held at a barrier, the rest go on
+        names: list[str] = []
+
+        def held(k: int, lo: int, hi: int) -> None:
+            if k < int(threads):
+                gate.wait(timeout=30)
+            names.append(threading.current_thread().name)
+
+        fast.parallel(parts * TILE, held)
+        assert len(names) == parts and len(set(names)) == int(threads)
+    fast.close()
+    for m in models:
+        m.close()

@@ -85,7 +85,7 @@ def merge_job_fast(fast: FastPath, blocks: Iterator[Any], job: Job, args: RuleAr
                    out: CheckpointWriter, bar: Any) -> None:
     """All blocks of one eligible job: fused kernel, statistics into ``ts`` when given, queued write; a rescale's
     survival counted and noted with the tensor (survival.py)."""
-    counts = None if args.rescaled is None else np.zeros((fast.threads, len(args.rescaled), 2), dtype=np.int64)
+    counts = None if args.rescaled is None else np.zeros((fast.parts, len(args.rescaled), 2), dtype=np.int64)
     for _, start, stop, slot, base, agents in job_reads(fast, blocks, job, 1):
         merged = fast.out_view(slot, job, stop - start)
         fast.run(job, start, base, agents, args, merged, ts, counts)

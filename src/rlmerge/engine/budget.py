@@ -88,14 +88,14 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     No torch: ``FAST_BASELINE`` (the interpreter, numpy, numba, the loaded kernels, the threads). Per element of
     a block: one block of every input file mapped (the block being computed; a finished one is handed back by
     the readahead thread: at most two wait for it, which the measured peaks do not show) and the output written
-    from the slots. The per-thread histograms, and ``mask_bytes`` (a tensor's keep
+    from the slots. The histograms per part of a hand-off, and ``mask_bytes`` (a tensor's keep
     bits for DARE / DELLA with L1 rescaling) on top. An input that cannot be viewed in place (``.bin``, verl
     shards, a LoRA adapter) has every block copied into two alternating slots (as float32 τ when an agent is an
     adapter), and its reader loads torch (``TORCH_LOADED``); mapped ``.bin`` files are reported apart, as for the
     torch path.
     """
     from ..kernels import hist_shape
-    from ..stream.fast import compute_threads, fast_block, reads_tau, row_step
+    from ..stream.fast import PARTS_PER_THREAD, compute_threads, fast_block, reads_tau, row_step
 
     n = len(match.agents) if n_agents is None else n_agents
     b = fast_block(match, block_size)
@@ -108,7 +108,7 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     copied = not all(m.viewable for m in models)  # every block is copied (engine/fast.FastPath.blocks) …
     if copied:  # … the agents as float32 τ beside the base in float32 with a LoRA adapter, by readers that load torch
         buffers += 2 * b * (itemsize + (4 * n + 4 if reads_tau(match) else n * itemsize))
-    hist = compute_threads() * 8 * math.prod(hist_shape(min(n, 8)))
+    hist = compute_threads() * PARTS_PER_THREAD * 8 * math.prod(hist_shape(min(n, 8)))
     return MemoryEstimate(b, buffers, hist + mask_bytes, FAST_BASELINE + (TORCH_LOADED if copied else 0),
                           _mapped(models), torch=copied)
 

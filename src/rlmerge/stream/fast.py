@@ -31,6 +31,7 @@ from .match import Job, Match
 STORED = {BF16: np.uint16, F32: np.float32}  # dtypes the kernels decode and encode
 ALIGN_MAX = 1 << 20  # elements: a row-cut block may grow to lcm(row, TILE) up to this (see row_step)
 AHEAD = 2  # blocks whose pages are requested ahead of the one computed (FastPath.blocks)
+PARTS_PER_THREAD = 2  # a hand-off's parts per compute thread (FastPath.parallel)
 
 
 def enabled(device: str) -> bool:
@@ -144,8 +145,9 @@ class FastPath:
         size = max((min(self.step(j), j.numel) for j in match.merge_jobs), default=self.block) if rows else self.block
         self.slots = [_Slot(n, max(size, 1)) for _ in range(4)]
         self.threads = compute_threads()
-        self.hist = np.zeros((self.threads, *kernels.hist_shape(n)), dtype=np.int64)  # per compute thread
-        self.gram = np.zeros((self.threads, n, n), dtype=np.float64)
+        self.parts = self.threads * PARTS_PER_THREAD  # of a hand-off (parallel); per-part sums are indexed by part
+        self.hist = np.zeros((self.parts, *kernels.hist_shape(n)), dtype=np.int64)  # per part
+        self.gram = np.zeros((self.parts, n, n), dtype=np.float64)
         self._dummy_out = np.empty(1, dtype=np.float32)
         self.mapped = Mapped()
         self.tau = reads_tau(match)  # every agent's τ is read into the blocks, in float32 (_read)
@@ -288,12 +290,22 @@ class FastPath:
         if ts is not None:
             ts.add_patterns(self.hist.sum(axis=(0, 1)), self.gram.sum(0))
 
-    def parallel(self, n: int, fn: Callable[[int, int, int], Any]) -> list[Any]:
-        """``fn(k, lo, hi)`` on one slice [lo, hi) of [0, n) per compute thread k; the kernels release the GIL."""
+    def parallel(self, n: int, fn: Callable[[int, int, int], Any], ways: int | None = None) -> list[Any]:
+        """``fn(k, lo, hi)`` on slice k [lo, hi) of [0, n), ``ways`` slices (default ``parts``) taken by whichever
+        compute thread is free; the kernels release the GIL. Slices are whole tiles, and only the first may be
+        empty: a tensor of one tile runs on the calling thread, without a hand-off.
+
+        More slices than threads: on two cores the compute threads share them with the writer, the readahead and
+        the main thread, and a hand-off waits for its slowest slice; with PARTS_PER_THREAD slices per thread the
+        thread that was not held up takes more of them (docs/benchmarks.md, 2026-12-07). A kernel whose buffers
+        per slice are large (TIES' gathered bins, bounded by fast_select.GATHER per thread) passes ``ways`` =
+        threads."""
         # slices start at multiples of the kernels' tile: the tiles, and so the statistics' float32 partial
-        # sums, are the same whatever the number of threads
-        step = -(-n // self.threads // kernels.TILE) * kernels.TILE if n > kernels.TILE else n
-        return self.run_parts([(k, min(n, k * step), min(n, (k + 1) * step)) for k in range(self.threads)], fn)
+        # sums, are the same whatever the number of slices
+        ways = ways or self.parts
+        step = -(-n // ways // kernels.TILE) * kernels.TILE if n > kernels.TILE else n
+        return self.run_parts([(k, min(n, k * step), min(n, (k + 1) * step)) for k in range(ways)
+                               if k == 0 or k * step < n], fn)
 
     def run_parts(self, parts: list[tuple[int, ...]], fn: Callable[..., Any]) -> list[Any]:
         """``fn(*part)`` on the compute threads, one call per given part (fast_random cuts at chunk boundaries)."""

@@ -137,8 +137,8 @@ class SelectBackend:
         self.stats_args = stats_args(n, run.stats.epsilon)
         self.whole_model = observer.preset.prune == "magnitude-global"
         # round 0 per agent: the digit's counts, then the zeros; later rounds per query, spares past the end
-        self.hist0 = np.zeros((fast.threads, n, BINS[0] + 1), dtype=np.int64)
-        self.histq = np.zeros((fast.threads, 0, max(BINS[1:]) + 8), dtype=np.int64)
+        self.hist0 = np.zeros((fast.parts, n, BINS[0] + 1), dtype=np.int64)
+        self.histq = np.zeros((fast.parts, 0, max(BINS[1:]) + 8), dtype=np.int64)
         self._numel = 0
         self._gather: _Gather | None = None  # the bins being gathered instead of the next round
         self._fused = False  # this block's round-0 counts were taken with its statistics (_with_statistics)
@@ -156,7 +156,7 @@ class SelectBackend:
             ends = g.starts + g.sizes
             self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.gather_bin(
                 base, agents, lo, hi, start, sel.streams, sel.prefix, sel.active, sel.above, g.starts, ends,
-                g.fill[k], g.bits[k], g.index[k], self.fast.tau_arg))
+                g.fill[k], g.bits[k], g.index[k], self.fast.tau_arg), ways=self.fast.threads)
             return
         if sel.round == 0:
             if not self._fused:  # (else the compute threads counted it after the block's statistics)
@@ -167,7 +167,7 @@ class SelectBackend:
             self._numel += base.shape[0]
             return
         if self.histq.shape[1] != len(sel.streams):
-            self.histq = np.zeros((self.fast.threads, len(sel.streams), max(BINS[1:]) + 8), dtype=np.int64)
+            self.histq = np.zeros((self.fast.parts, len(sel.streams), max(BINS[1:]) + 8), dtype=np.int64)
         shift, width = sel.digit
         self.fast.parallel(base.shape[0], lambda k, lo, hi: kernels.hist_next(
             base, agents, lo, hi, sel.streams, sel.prefix, sel.active, shift, width, self.histq[k], self.fast.tau_arg))
