@@ -8,6 +8,7 @@ set on disk is reused when its manifest matches.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -106,3 +107,10 @@ def make_set(root: Path, size: str, *, seed: int = 0, densities: tuple[float, ..
             f.close()
     mfile.write_text(json.dumps(manifest))
     return dirs[0], dirs[1:]
+
+
+def set_arguments(ap: argparse.ArgumentParser) -> None:
+    """A script's arguments for merging a set made here: the set's folder, ``--method`` and ``--params``."""
+    ap.add_argument("set", type=Path, help="a benchmark set (base/ and the agents' folders)")
+    ap.add_argument("--method", default="ties")
+    ap.add_argument("--params", default="{}", help="the method's parameters as JSON")

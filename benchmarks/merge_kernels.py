@@ -36,14 +36,12 @@ from rlmerge._threads import Workers
 from rlmerge.methods.sparsify import kernels as family_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dataset import NAMES  # noqa: E402  the agents' folders of a set benchmarks/run.py made
+from dataset import NAMES, set_arguments  # noqa: E402  the agents' folders of a set benchmarks/run.py made
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("set", type=Path, help="a benchmark set (base/ and the agents' folders)")
-    ap.add_argument("--method", default="ties")
-    ap.add_argument("--params", default="{}", help="the method's parameters as JSON")
+    set_arguments(ap)
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     spent: dict[str, float] = collections.defaultdict(float)
