@@ -1,4 +1,4 @@
-"""The model card (``README.md``): metadata the Hub accepts, written with huggingface_hub's ``ModelCard``.
+"""The model card (``README.md``): metadata the Hub accepts, written with huggingface_hub's ``ModelCardData``.
 
 The metadata follows the Hub's convention for merges: ``base_model`` lists the Hub repositories of the base and of
 every agent that came from the Hub (a local folder is not a model id, and ``org/name@rev`` is not one either: local
@@ -105,9 +105,11 @@ def adapter_lines(summary: Mapping[str, Any] | None) -> list[str]:
 
 def model_card(match: Match, result: Merged, *, reproduce: Reproduce | None = None,
                adapter: Mapping[str, Any] | None = None, extra: Sequence[str] = ()) -> str:
-    """The card's text: metadata, then the body (``extra``: more Markdown before the warnings)."""
-    from huggingface_hub import ModelCard
+    """The card's text: metadata, then the body (``extra``: more Markdown before the warnings).
 
+    The text ``huggingface_hub.ModelCard`` makes of it (tests/test_card.py parses it back with ``ModelCard`` and checks
+    that it is unchanged), written without importing ``ModelCard``'s module, which imports the Hub's client: 0.23–0.26 s
+    of every merge in a fresh process (docs/benchmarks.md, 2026-12-07)."""
     data = card_data(match, result, adapter=adapter is not None)
     what = "A LoRA adapter of a merge" if adapter is not None else "Merged"
     lines = [f"# {what} with rlmerge ({result.method})", "",
@@ -134,4 +136,4 @@ def model_card(match: Match, result: Merged, *, reproduce: Reproduce | None = No
     lines += list(extra)
     if result.warnings:
         lines += ["## Warnings", "", *(f"- {w}" for w in result.warnings), ""]
-    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
