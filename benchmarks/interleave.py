@@ -3,9 +3,9 @@
 On a machine whose speed moves within minutes (docs/benchmarks.md, 2026-12-07), two runs of ``run.py`` minutes apart
 do not resolve a few per cent; merges of the two arms one after the other, in alternating order, in one warm
 process, do. Each arm is a set of environment variables, applied before its merge (they must be read when a merge
-starts, as RLMERGE_THREADS and RLMERGE_FAST are). ``--fresh`` first times one merge of the tiny built-in example
-and then one merge of the set, without interleaving: what the first merge of a process pays (numba's set-up, lazy
-imports) beside what a later one does.
+starts, as RLMERGE_THREADS and RLMERGE_FAST are). ``--fresh N`` instead times N merges of the set in this new
+process, one after the other (``--tiny-first``: after a merge of the tiny built-in example): what the first merge
+of a process pays (numba's set-up, lazy imports) beside what a later one does.
 
     PYTHONPATH=src python benchmarks/interleave.py /work/bench-data/0.5b --method ties --params '{"density": 0.5}' \\
         --rounds 10 --arm one=RLMERGE_THREADS=1 --arm two=RLMERGE_THREADS=2

@@ -504,16 +504,16 @@ def test_a_hand_off_is_whole_tiles_in_order_on_any_free_thread(tmp_path: Path, m
             assert names == {threading.current_thread().name}
         else:
             assert all(name.startswith("rlmerge-compute") for name in names)
-    if gate is not None:  # every compute thread is free to take slices: two held at a barrier, the rest go on
-        names: list[str] = []
+    if gate is not None:  # the first `threads` slices wait until every compute thread holds one; the rest follow
+        ran: list[str] = []
 
         def held(k: int, lo: int, hi: int) -> None:
             if k < int(threads):
                 gate.wait(timeout=30)
-            names.append(threading.current_thread().name)
+            ran.append(threading.current_thread().name)
 
         fast.parallel(parts * TILE, held)
-        assert len(names) == parts and len(set(names)) == int(threads)
+        assert len(ran) == parts and len(set(ran)) == int(threads)
     fast.close()
     for m in models:
         m.close()
