@@ -140,15 +140,16 @@ def test_card_metadata_round_trips_through_huggingface_hub(example, tmp_path: Pa
 ])
 def test_the_card_is_the_text_huggingface_hubs_model_card_makes(base_id: str | None, agent_ids: list[str | None],
                                                                 adapter: bool) -> None:
-    """model_card writes the metadata and body itself (without importing ModelCard's module, 0.23 s): for every
-    kind of metadata card_data makes, ModelCard parses that text back to the same data and gives the same text."""
+    """model_card writes the metadata and body itself (card_text, without importing ModelCard's module, 0.23 s): for
+    every kind of metadata card_data makes, ModelCard parses that text back to the same data and gives the same
+    text."""
     from types import SimpleNamespace
 
-    from rlmerge.report.card import card_data
+    from rlmerge.report.card import card_data, card_text
 
     match = SimpleNamespace(base=SimpleNamespace(hub_id=base_id), agents=[SimpleNamespace(hub_id=i) for i in agent_ids])
     data = card_data(match, SimpleNamespace(method="ties"), adapter=adapter)  # type: ignore[arg-type]
-    text = f"---\n{data.to_yaml()}\n---\n\n# A merge\n\nbody\n"
+    text = card_text(data, ["# A merge", "", "body", ""])
     card = ModelCard(text)
     assert str(card) == text and card.data.to_dict() == data.to_dict()
     assert bool(card.data.base_model) == bool(base_id if adapter else base_id or any(agent_ids))

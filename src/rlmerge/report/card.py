@@ -107,9 +107,9 @@ def model_card(match: Match, result: Merged, *, reproduce: Reproduce | None = No
                adapter: Mapping[str, Any] | None = None, extra: Sequence[str] = ()) -> str:
     """The card's text: metadata, then the body (``extra``: more Markdown before the warnings).
 
-    The text ``huggingface_hub.ModelCard`` makes of it (tests/test_card.py parses it back with ``ModelCard`` and checks
-    that it is unchanged), written without importing ``ModelCard``'s module, which imports the Hub's client: 0.23–0.26 s
-    of every merge in a fresh process (docs/benchmarks.md, 2026-12-07)."""
+    The text ``huggingface_hub.ModelCard`` makes of it (``card_text``; tests/test_card.py parses it back with
+    ``ModelCard`` and checks that it is unchanged), written without importing ``ModelCard``'s module, which imports the
+    Hub's client: 0.23–0.26 s of every merge in a fresh process (docs/benchmarks.md, 2026-12-07)."""
     data = card_data(match, result, adapter=adapter is not None)
     what = "A LoRA adapter of a merge" if adapter is not None else "Merged"
     lines = [f"# {what} with rlmerge ({result.method})", "",
@@ -136,4 +136,9 @@ def model_card(match: Match, result: Merged, *, reproduce: Reproduce | None = No
     lines += list(extra)
     if result.warnings:
         lines += ["## Warnings", "", *(f"- {w}" for w in result.warnings), ""]
+    return card_text(data, lines)
+
+
+def card_text(data: ModelCardData, lines: Sequence[str]) -> str:
+    """The card's metadata, then its body's ``lines``: the text ``huggingface_hub.ModelCard`` makes of them."""
     return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)
