@@ -425,6 +425,65 @@ def test_the_blocks_ahead_are_requested_before_they_are_computed(tmp_path: Path,
         m.close()
 
 
+def test_the_compute_runs_ahead_of_the_writer_by_the_output_slots_and_no_further(tmp_path: Path) -> None:
+    """While the writer has not written a block, its output slot is not handed out again: OUT_SLOTS blocks are
+    given out with every write still in flight (each in a slot of its own), the next only once the oldest write
+    is done, and that block gets the slot the write freed."""
+    import threading
+    from concurrent.futures import Future
+
+    from rlmerge.io.open import open_all
+    from rlmerge.stream.match import match_models
+    from rlmerge.synthetic import Shape
+
+    shape = Shape("qwen2", vocab=512, hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128, tie=True)
+    base, agents = make_example(tmp_path / "in", shape=shape)
+    models = open_all([base, *agents])
+    plan = match_models(models[0], models[1:])
+    fast = fastpath.FastPath(plan, 1024)
+    job = max(plan.merge_jobs, key=lambda j: j.numel)
+    assert -(-job.numel // fast.step(job)) > fastpath.OUT_SLOTS + 1
+    writes: list[Future[None]] = []
+    slots: list[object] = []
+    given = threading.Semaphore(0)
+
+    class Writer:  # the writer's queue, never done until the test says so
+        def write_later(self, data: memoryview) -> Future[None]:
+            writes.append(Future())
+            return writes[-1]
+
+    bar = type("Bar", (), {"advance": lambda self, n: None})()
+
+    def consume() -> None:
+        for _job, start, stop, slot, _base, _agents in fast.blocks([job]):
+            slots.append(slot)
+            fastpath.write_slot(Writer(), slot, fast.out_view(slot, job, stop - start), bar)  # type: ignore[arg-type]
+            given.release()
+
+    worker = threading.Thread(target=consume, daemon=True)
+    worker.start()
+    for _ in range(fastpath.OUT_SLOTS):
+        assert given.acquire(timeout=30)
+    assert not given.acquire(timeout=0.5)  # every slot's write in flight: the next block waits
+    assert len({id(s) for s in slots}) == fastpath.OUT_SLOTS
+    writes[1].set_result(None)  # not the oldest: still no slot free
+    assert not given.acquire(timeout=0.5)
+    writes[0].set_result(None)
+    assert given.acquire(timeout=30)
+    assert slots[fastpath.OUT_SLOTS] is slots[0]  # the slot whose write is done (the next may follow: [1]'s is)
+    for f in writes[2:]:
+        f.set_result(None)
+    while worker.is_alive():  # the rest: each write done as soon as it is queued
+        for f in list(writes):
+            if not f.done():
+                f.set_result(None)
+        worker.join(timeout=0.05)
+    assert len(slots) == -(-job.numel // fast.step(job))
+    fast.close()
+    for m in models:
+        m.close()
+
+
 def test_a_block_grows_by_at_most_an_eighth_to_hold_a_tensor_whole() -> None:
     from types import SimpleNamespace as NS
 

@@ -88,14 +88,14 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     No torch: ``FAST_BASELINE`` (the interpreter, numpy, numba, the loaded kernels, the threads). Per element of
     a block: one block of every input file mapped (the block being computed; a finished one is handed back by
     the readahead thread: at most two wait for it, which the measured peaks do not show) and the output written
-    from the slots. The histograms per part of a hand-off, and ``mask_bytes`` (a tensor's keep
+    from its OUT_SLOTS slots. The histograms per part of a hand-off, and ``mask_bytes`` (a tensor's keep
     bits for DARE / DELLA with L1 rescaling) on top. An input that cannot be viewed in place (``.bin``, verl
-    shards, a LoRA adapter) has every block copied into two alternating slots (as float32 τ when an agent is an
-    adapter), and its reader loads torch (``TORCH_LOADED``); mapped ``.bin`` files are reported apart, as for the
+    shards, a LoRA adapter) has every block copied into two alternating sets of buffers (as float32 τ when an agent
+    is an adapter), and its reader loads torch (``TORCH_LOADED``); mapped ``.bin`` files are reported apart, as for the
     torch path.
     """
     from ..kernels import hist_shape
-    from ..stream.fast import PARTS_PER_THREAD, compute_threads, fast_block, reads_tau, row_step
+    from ..stream.fast import OUT_SLOTS, PARTS_PER_THREAD, compute_threads, fast_block, reads_tau, row_step
 
     n = len(match.agents) if n_agents is None else n_agents
     b = fast_block(match, block_size)
@@ -104,7 +104,7 @@ def estimate_fast(match: Any, block_size: int, *, n_agents: int | None = None, r
     models = (match.base, *match.agents)
     itemsize = max((t.dtype.itemsize for m in models for t in m.tensors.values()), default=4)
     out = max((j.out_dtype.itemsize for j in match.merge_jobs), default=4)
-    buffers = b * ((n + 1) * itemsize + out)
+    buffers = b * ((n + 1) * itemsize + OUT_SLOTS * out)
     copied = not all(m.viewable for m in models)  # every block is copied (engine/fast.FastPath.blocks) …
     if copied:  # … the agents as float32 τ beside the base in float32 with a LoRA adapter, by readers that load torch
         buffers += 2 * b * (itemsize + (4 * n + 4 if reads_tau(match) else n * itemsize))

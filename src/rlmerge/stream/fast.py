@@ -31,6 +31,7 @@ from .match import Job, Match
 STORED = {BF16: np.uint16, F32: np.float32}  # dtypes the kernels decode and encode
 ALIGN_MAX = 1 << 20  # elements: a row-cut block may grow to lcm(row, TILE) up to this (see row_step)
 AHEAD = 2  # blocks whose pages are requested ahead of the one computed (FastPath.blocks)
+OUT_SLOTS = 4  # output buffers: the blocks computed while the writer is still writing earlier ones, plus one
 PARTS_PER_THREAD = 2  # a hand-off's parts per compute thread (FastPath.parallel)
 
 
@@ -121,14 +122,21 @@ def row_step(shape: tuple[int, ...], numel: int, block: int) -> int:
 
 
 class _Slot:
-    """One set of raw buffers: base [block], agents [N, block], output [block] (bytes, viewed per dtype)."""
+    """One output buffer [block] (bytes, viewed per dtype), and the write of it still in flight."""
+
+    def __init__(self, block: int) -> None:
+        self.out = np.empty(block * 4, dtype=np.uint8)
+        self.written: Future[None] | None = None  # the write of ``out`` still in flight
+
+
+class _Copy:
+    """One set of input buffers, for a block that cannot be viewed in place: base [block], agents [N, block]
+    (bytes, viewed per dtype) and the base in float32 when the agents are read as τ."""
 
     def __init__(self, n_agents: int, block: int) -> None:
         self.base = np.empty(block * 4, dtype=np.uint8)
         self.agents = np.empty(n_agents * block * 4, dtype=np.uint8)
-        self.out = np.empty(block * 4, dtype=np.uint8)
-        self.b32 = np.empty(block, dtype=np.float32)  # the base in float32, when the agents are read as τ
-        self.written: Future[None] | None = None  # the write of ``out`` still in flight
+        self.b32 = np.empty(block, dtype=np.float32)
 
 
 class FastPath:
@@ -143,7 +151,8 @@ class FastPath:
         self.block = fast_block(match, block_size)
         n = len(match.agents)
         size = max((min(self.step(j), j.numel) for j in match.merge_jobs), default=self.block) if rows else self.block
-        self.slots = [_Slot(n, max(size, 1)) for _ in range(4)]
+        self.slots = [_Slot(max(size, 1)) for _ in range(OUT_SLOTS)]
+        self.copies = [_Copy(n, max(size, 1)) for _ in range(2)]  # the block computed, and the next one read
         self.threads = compute_threads()
         self.parts = self.threads * PARTS_PER_THREAD  # of a hand-off (parallel); per-part sums are indexed by part
         self.hist = np.zeros((self.parts, *kernels.hist_shape(n)), dtype=np.int64)  # per part
@@ -174,7 +183,7 @@ class FastPath:
             self.mapped.close()
 
     # -- reading ---------------------------------------------------------------------------------------
-    def _read(self, slot: _Slot, job: Job, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+    def _read(self, slot: _Copy, job: Job, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """A copy of the block in ``slot``: base [n] and agents [N, n], read-only like the mapped views. The agents'
         stored values, or with ``tau`` every agent's τ in float32 as the torch path computes it
         (engine/blocks.read_delta: θ_t − θ₀ in float32, or an adapter's own τ), so the kernels see the same values."""
@@ -220,7 +229,11 @@ class FastPath:
         """Every block of ``jobs`` in order (each job's blocks ``passes(job)`` times over).
 
         A block's agents come as a tuple of [n] views of the mapped files; a tensor that cannot be viewed in
-        place is copied into a slot by the reader thread while the previous block is computed. The pages of the
+        place is copied into one of two sets of buffers (``copies``) by the reader thread while the previous block
+        is computed. A block's output slot is one of OUT_SLOTS, taken in turn once the writer has written what it
+        held: the compute threads may run up to OUT_SLOTS − 1 blocks ahead of the writer, whose work comes in
+        bursts (a chunk's writeback waited for every 32 MiB, io/writer.settle). With two slots, 0.5B merges took
+        1–10 % longer (docs/benchmarks.md, 2026-12-07). The pages of the
         next AHEAD blocks are requested by the readahead thread, which checks the files' sizes as it does, and
         hands back a finished block's pages (at most AHEAD finished blocks wait for it): the thread that sets up
         the blocks makes no system call per block, which cost ~0.6 s of a 0.5B TIES merge while the compute
@@ -235,13 +248,13 @@ class FastPath:
         for i in range(1, min(AHEAD, len(spans))):
             asked[i] = self._ahead.submit(self._prefetch, *spans[i])
         for k, (job, start, stop) in enumerate(spans):
-            slot = self.slots[k % 2]
+            slot = self.slots[k % OUT_SLOTS]
             if slot.written is not None:  # its output buffer must be written before it is reused
                 slot.written.result()
             views = ready if k else self._views(job, start, stop)
             if views is None:
                 if pending is None:
-                    pending = self._reader.submit(self._read, slot, job, start, stop)
+                    pending = self._reader.submit(self._read, self.copies[k % 2], job, start, stop)
                 base, agents = pending.result()
                 views = (base, tuple(agents))
             pending = ready = None
@@ -251,7 +264,7 @@ class FastPath:
                 nxt, fetched = spans[k + 1], asked.pop(k + 1, None)
                 ready = self._views(*nxt, checked=fetched is not None and fetched.done())
                 if ready is None:  # a copy: read it while this block is computed
-                    pending = self._reader.submit(self._read, self.slots[(k + 1) % 2], *nxt)
+                    pending = self._reader.submit(self._read, self.copies[(k + 1) % 2], *nxt)
             if self.on_read is not None:
                 self.on_read((stop - start) * sum(m.tensors[job.name].dtype.itemsize  # stored bytes (τ: more)
                                                   for m in (self.match.base, *self.match.agents)))
