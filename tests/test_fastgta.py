@@ -273,12 +273,14 @@ def test_gathering_or_rounds_same_bytes(tmp_path: Path, monkeypatch: pytest.Monk
         assert ran["tie_scan"] > 0  # the edge models have ties at the threshold
 
 
+@pytest.mark.parametrize("order", ["any", "flat"])
 @pytest.mark.parametrize("above", [20, 10])
-def test_gathered_bins_answer_as_numpys(above: int) -> None:
+def test_gathered_bins_answer_as_numpys(above: int, order: str) -> None:
     """The fast path's gathered bins (kernels.bin_kth: a k-th largest by counting its digits; kernels.bin_tie: the
     left-th tie in flat order) answer as _select.GatheredBins (a partition), with the bin's values split over
-    compute threads' parts in any order: every rank and tie of small bins with heavy ties, the first, last and
-    random ranks of larger ones, a bin of one value, and a left of 0 or past the ties."""
+    compute threads' parts in any order, or in flat order (a tensor of one block: bin_tie's walk without the
+    partition): every rank and tie of small bins with heavy ties, the first, last and random ranks of larger
+    ones, a bin of one value, and a left of 0 or past the ties."""
     from types import SimpleNamespace
 
     from rlmerge.methods._select import GatheredBins
@@ -289,6 +291,8 @@ def test_gathered_bins_answer_as_numpys(above: int) -> None:
     for size, spread in [(1, 1), (7, 3), (50, 4), (300, 1 << above), (5000, 1 << 12), (20000, 1 << above)]:
         bits = (np.uint32(prefix) << np.uint32(above)) | gen.integers(0, min(spread, 1 << above), size, dtype=np.uint32)
         index = gen.permutation(size * 3)[:size].astype(np.int64)
+        if order == "flat":
+            index.sort()
         ref = GatheredBins([bits], [index])
         cut = int(gen.integers(0, size + 1))  # two parts: [0, cut) and [cut, size)
         fast = SimpleNamespace(threads=2, run_parts=lambda parts, fn: [fn(*p) for p in parts])

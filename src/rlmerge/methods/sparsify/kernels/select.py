@@ -175,13 +175,30 @@ def bin_kth(bits, start, fill, rank, prefix, above):  # type: ignore[no-untyped-
 def bin_tie(bits, index, start, fill, pattern, left):  # type: ignore[no-untyped-def]
     """(count, at): how many values of a gathered bin (parts as in ``bin_kth``, flat indices beside them in
     ``index``) equal ``pattern``, and the flat index of the ``left``-th of them in flat order (−1 when left ≤ 0 or
-    fewer are there): _select.GatheredBins.tie."""
+    fewer are there): _select.GatheredBins.tie.
+
+    A tensor of one block is gathered in flat order (part k is the block's k-th slice): its ties are met in
+    order, and the left-th is the left-th met, with no partition of their indices (the main thread waits for
+    this). Parts in another order (a tensor of several blocks) take the partition."""
     count = 0
+    ordered = True
+    last = np.int64(-1)
     for k in range(len(fill)):
         for j in range(start, start + fill[k]):
-            count += bits[k, j] == pattern
+            if bits[k, j] == pattern:
+                count += 1
+                ordered = ordered and index[k, j] > last
+                last = index[k, j]
     if left <= 0 or count < left:
         return count, np.int64(-1)
+    if ordered:
+        seen = 0
+        for k in range(len(fill)):
+            for j in range(start, start + fill[k]):
+                if bits[k, j] == pattern:
+                    seen += 1
+                    if seen == left:
+                        return count, index[k, j]
     ties = np.empty(count, dtype=np.int64)
     at = 0
     for k in range(len(fill)):
