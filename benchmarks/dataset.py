@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -114,3 +116,11 @@ def set_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("set", type=Path, help="a benchmark set (base/ and the agents' folders)")
     ap.add_argument("--method", default="ties")
     ap.add_argument("--params", default="{}", help="the method's parameters as JSON")
+
+
+def print_medians(runs: dict[Any, list[tuple[float, float]]]) -> None:
+    """Per arm of an A/B, its merges' (wall s, CPU s): the median wall (min, max) and the median CPU."""
+    for name, got in runs.items():
+        walls = sorted(w for w, _ in got)
+        print(f"{name}: wall median {statistics.median(walls):.2f} s (min {walls[0]:.2f}, max {walls[-1]:.2f}), "
+              f"CPU median {statistics.median(c for _, c in got):.2f} s over {len(got)} merges")

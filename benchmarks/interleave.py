@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import rlmerge
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dataset import NAMES, set_arguments  # noqa: E402  the agents' folders of a set benchmarks/run.py made
+from dataset import NAMES, print_medians, set_arguments  # noqa: E402  the agents' folders of a set benchmarks/run.py made
 
 
 def _arm(text: str) -> tuple[str, dict[str, str]]:
@@ -81,10 +80,7 @@ def main() -> None:
                 runs[name].append(_timed(base, agents, root / "out", args.method, params))
                 print(f"round {r + 1} {name}: {runs[name][-1][0]:.2f} s wall, {runs[name][-1][1]:.2f} CPU-s",
                       flush=True)
-    for name, got in runs.items():
-        walls = sorted(w for w, _ in got)
-        print(f"{name}: wall median {statistics.median(walls):.2f} s (min {walls[0]:.2f}, max {walls[-1]:.2f}), "
-              f"CPU median {statistics.median(c for _, c in got):.2f} s over {len(got)} merges")
+    print_medians(runs)
 
 
 if __name__ == "__main__":
