@@ -2,9 +2,10 @@
 
 One thread, ``time.thread_time``, best of 3: the statistics kernel every method's first read runs
 (``fused_range`` with no rule: the k-of-N pattern counts and the Gram sums), round 0's histogram (``hist_first``,
-every agent), a later round's (``hist_next``, the queries still active) and the gather that can replace the later
-rounds (``gather_bin``), on the first ``--block`` elements of ``--tensor`` of a set ``benchmarks/run.py`` made,
-ranks at ``--density``.
+every agent), a later round's (``hist_next``, the queries still active), the gather that can replace the later
+rounds (``gather_bin``) and TIES' merge at the thresholds found (``merge_range``: keep window, sign election,
+disjoint mean), on the first ``--block`` elements of ``--tensor`` of a set ``benchmarks/run.py`` made, ranks at
+``--density``.
 
     python benchmarks/select_kernels.py /work/bench-data/redesign/0.5b
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -21,8 +23,9 @@ from safetensors import safe_open
 
 from rlmerge import kernels
 from rlmerge.kernels.layout import hist_shape
-from rlmerge.methods._select import BINS, KthLargest
+from rlmerge.methods._select import BINS, NO_CUT, KthLargest
 from rlmerge.methods.sparsify import kernels as k
+from rlmerge.methods.sparsify.presets import PRESETS, combine_constants
 
 
 def bf16_tensor(folder: Path, name: str) -> torch.Tensor:
@@ -90,6 +93,19 @@ def main() -> None:
     t = best(lambda: k.gather_bin(base, agents, 0, n, 0, sel.streams, sel.prefix, sel.active, sel.above, starts,
                                   starts + sizes, np.zeros(q, np.int64), bits, index, None))
     print(f"gather_bin (instead of rounds 1 and 2): {t * 1e3:.1f} ms")
+    while not sel.done:  # the thresholds, for the merge
+        sel.hist = 0
+        hq[:] = 0
+        k.hist_next(base, agents, 0, n, sel.streams, sel.prefix, sel.active, *sel.digit, hq, None)
+        sel.add_counts(hq[:, :BINS[sel.round]].copy())
+        sel.next_round()
+    c = combine_constants("ties", PRESETS["ties"], SimpleNamespace(weights=None, normalize=None, scaling=1.0), q)
+    key, (consts, agent_consts) = kernels.rule_key(c.program, tau=True), c.program.arrays(c.values)
+    lo = np.ascontiguousarray(sel.values(), dtype=np.float32)
+    hi = np.full(q, np.inf, dtype=np.float32)
+    cut, out = np.full(q, NO_CUT, dtype=np.int64), np.empty(n, dtype=np.uint16)
+    t = best(lambda: k.select_merge_range(base, agents, 0, n, lo, hi, cut, 0, c.w, consts, agent_consts, key, out, None))
+    print(f"merge_range (TIES' merge, {q} agents): {t * 1e3:.1f} ms ({t / n * 1e9:.2f} ns an element)")
 
 
 if __name__ == "__main__":

@@ -235,13 +235,19 @@ def _tile(base, agents, lo, m, keep_lo, keep_hi, cut, offset, w, consts, agent_c
     for t in range(len(agents)):  # prune_block, then · w_t: τ · keep · w_t (× 0.0 keeps the sign of zero)
         lt, ht, wt = keep_lo[t], keep_hi[t], w[t]
         at = agents[t]
-        # |τ| = lt is kept at flat indices below cut[t] (exact k; NO_CUT: always): index − first < cut − first
-        room = cut[t] - (np.int64(offset) + np.int64(lo))
-        for j in range(m):
-            x = _tau(at, lo + j, b32[j], tau)
+        row = wtd[t]
+        # |τ| = lt is kept at flat indices below cut[t] (exact k; NO_CUT: always): the tile's elements before
+        # ``split``. Two loops with no index test in them: the kernel took 2.48 ns an element where one loop
+        # testing the index took 2.92 (layer 3's down_proj of the 0.5B set, 3 agents, one thread)
+        split = np.int64(min(max(cut[t] - (np.int64(offset) + np.int64(lo)), np.int64(0)), np.int64(m)))
+        for j in range(split):
+            x = _tau(at, lo + np.uint64(j), b32[j], tau)
             a = abs(x)
-            inside = (a > lt or (a == lt and np.int64(j) < room)) and a <= ht
-            wtd[t, j] = (x * (one if inside else zero)) * wt
+            row[j] = (x * (one if (a >= lt) & (a <= ht) else zero)) * wt
+        for j in range(split, np.int64(m)):
+            x = _tau(at, lo + np.uint64(j), b32[j], tau)
+            a = abs(x)
+            row[j] = (x * (one if (a > lt) & (a <= ht) else zero)) * wt
     combine(b32, wtd, m, consts, agent_consts, key, out[lo:lo + m])
 
 
