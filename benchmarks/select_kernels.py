@@ -104,7 +104,8 @@ def main() -> None:
     lo = np.ascontiguousarray(sel.values(), dtype=np.float32)
     hi = np.full(q, np.inf, dtype=np.float32)
     cut, out = np.full(q, NO_CUT, dtype=np.int64), np.empty(n, dtype=np.uint16)
-    t = best(lambda: k.select_merge_range(base, agents, 0, n, lo, hi, cut, 0, c.w, consts, agent_consts, key, out, None))
+    t = best(lambda: k.select_merge_range(base, agents, 0, n, lo, hi, cut, 0, c.w, consts, agent_consts, key, out,
+                                          None))
     print(f"merge_range (TIES' merge, {q} agents): {t * 1e3:.1f} ms ({t / n * 1e9:.2f} ns an element)")
 
 
