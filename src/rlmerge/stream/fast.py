@@ -232,8 +232,8 @@ class FastPath:
         place is copied into one of two sets of buffers (``copies``) by the reader thread while the previous block
         is computed. A block's output slot is one of OUT_SLOTS, taken in turn once the writer has written what it
         held: the compute threads may run up to OUT_SLOTS − 1 blocks ahead of the writer, whose work comes in
-        bursts (a chunk's writeback waited for every 32 MiB, io/writer.settle). With two slots, 0.5B merges took
-        1–10 % longer (docs/benchmarks.md, 2026-12-07). The pages of the
+        bursts (a chunk's writeback waited for every 32 MiB, io/writer.settle). With two slots, 0.5B merges took up
+        to 10 % longer (docs/benchmarks.md, 2026-12-07). The pages of the
         next AHEAD blocks are requested by the readahead thread, which checks the files' sizes as it does, and
         hands back a finished block's pages (at most AHEAD finished blocks wait for it): the thread that sets up
         the blocks makes no system call per block, which cost ~0.6 s of a 0.5B TIES merge while the compute
