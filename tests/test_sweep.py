@@ -197,6 +197,70 @@ def test_a_scorer_failing_on_every_candidate_ends_the_sweep_with_its_message(exa
     assert doc["kept"] == {} and not list((tmp_path / "sweep").glob("best-*"))
 
 
+def test_a_scorer_that_returns_no_tasks_fails_on_that_candidate(example, tmp_path: Path) -> None:
+    """A Python scorer returning {} gave candidates with no scores and no error, and the first was kept as best-1
+    (found by a QA pass, 2026-12-07); the cmd: and py: scorers already refused an empty result."""
+    base, agents = example
+    near = Distance(agents)
+    res = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=["task_arithmetic scaling=0.5,1"],
+                        scorer=lambda b: {} if "0.5" in b.candidate.label else near(b), keep=2, memory="always")
+    (bad,) = res.failed
+    assert bad.candidate.label == "task_arithmetic scaling=0.5" and bad.scores == {}
+    assert "returned no tasks" in (bad.error or "") and [p.name for p in res.kept] == ["best-1"]
+    with pytest.raises(InputError, match="failed on every candidate .2.*returned no tasks"):
+        rlmerge.sweep(base, agents, tmp_path / "none", candidates=["task_arithmetic scaling=0.5,1"],
+                      scorer=lambda b: {}, keep=1, memory="always")
+    assert not list((tmp_path / "none").glob("best-*"))
+
+
+def test_a_candidate_scored_on_fewer_tasks_than_the_others_is_a_failure(example, tmp_path: Path) -> None:
+    """A scorer that leaves a task out for some candidates (a command whose evaluation failed) had those ranked by
+    an average over other tasks: {a: 50} ranked above {a: 50, b: 0}, and kept, though the other beats it on the
+    Pareto front. Now each candidate lacking a task another was scored on is a failure naming the task (never
+    kept, ranked last), and --resume scores it again."""
+    base, agents = example
+    grid = ["task_arithmetic scaling=0.5,1,1.5"]
+
+    def partial(b: rlmerge.Built) -> dict[str, float]:
+        return {"a": 50.0} if "1.5" not in b.candidate.label else {"a": 50.0, "b": 0.0}
+
+    res = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=grid, scorer=partial, keep=3, memory="always")
+    assert [s.candidate.label for s in res.failed] == ["task_arithmetic scaling=0.5", "task_arithmetic scaling=1"]
+    for s in res.failed:
+        assert s.scores == {} and s.error == ("scored on 1 of the 2 tasks other candidates were scored on: no score "
+                                              "for 'b' (it gave a=50); candidates are ranked only on the same tasks")
+    assert res.ranking[0].candidate.label == "task_arithmetic scaling=1.5" and res.ranking[1:] == res.failed
+    assert [p.name for p in res.kept] == ["best-1"] and [s.candidate.label for s in res.pareto] == [
+        "task_arithmetic scaling=1.5"]
+    doc = json.loads((tmp_path / "sweep" / "results.json").read_text())
+    assert [c.get("error") is not None for c in doc["candidates"]] == [True, True, False]
+    calls = []
+    res = rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=grid, keep=3, memory="always", resume=True,
+                        scorer=lambda b: calls.append(b.candidate.label) or {"a": 40.0, "b": 10.0})
+    assert sorted(calls) == ["task_arithmetic scaling=0.5", "task_arithmetic scaling=1"] and not res.failed
+    assert len(res.kept) == 3
+
+
+@pytest.mark.parametrize("where", ["best-1/notes.txt", "best-3/notes.txt"])
+def test_resume_refuses_a_checkpoint_folder_holding_a_users_file_before_any_work(example, tmp_path: Path,
+                                                                               where: str) -> None:
+    """A user's file in a kept best-N (or a best-N of the user's, with no rlmerge.json) let --resume claim the folder,
+    merge and score the new candidates, then fail at the end while keeping, with a message about --force (found by a
+    QA pass, 2026-12-07). The folder is now refused when claimed: nothing merged or scored, the file left as it is."""
+    base, agents = example
+    grid = ["task_arithmetic scaling=0.5,1"]
+    rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=grid, scorer=Distance(agents), keep=2,
+                  memory="always")
+    user = tmp_path / "sweep" / where
+    user.parent.mkdir(exist_ok=True)
+    user.write_text("mine")
+    calls = []
+    with pytest.raises(OutputError, match=f"the sweep folder holds {where.split('/')[0]}, which holds notes.txt"):
+        rlmerge.sweep(base, agents, tmp_path / "sweep", candidates=[*grid, "ties density=0.2"], keep=1,
+                      memory="always", resume=True, scorer=lambda b: calls.append(b) or {"a": 1.0})
+    assert calls == [] and user.read_text() == "mine"
+
+
 def test_resume_redoes_a_record_it_cannot_read_back(example, tmp_path: Path) -> None:
     """Beyond the issue: results.json records an older rlmerge (or an edit) left unreadable (a field missing, a score
     that is text), with the folder's manifest updated to match, were a KeyError or a TypeError on --resume; such a

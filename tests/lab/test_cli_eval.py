@@ -133,6 +133,21 @@ def test_a_command_scores_each_model_in_its_folder(checkpoint: Path, other: Path
     assert [r["scores"]["files"] for r in rows] == [float(len(list(p.iterdir()))) for p in (checkpoint, other)]
 
 
+def test_the_table_names_a_commands_own_tasks_and_a_task_a_model_was_not_scored_on(
+        checkpoint: Path, other: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --json, a cmd: scorer's tasks (its output's keys, not the --tasks text) made a KeyError traceback
+    after both models were scored (found by a QA pass, 2026-12-07). Model 2 here is scored on one task of two."""
+    prog = ("import json, os; two = os.environ['RLMERGE_CANDIDATE'] == 'model2'; "
+            "print(json.dumps({'t': 25.0} if two else {'t': 50.0, 'u': 75.0}))")
+    code, out, err = _eval(capsys, checkpoint, other, "--tasks", f'cmd:{sys.executable} -c "{prog}" {{model}}')
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[:3] == ["t", f"  {checkpoint}: 50.00", f"  {other}: 25.00"]
+    assert lines[3:6] == ["u", f"  {checkpoint}: 75.00", f"  {other}: not scored (its scorer gave no 'u')"]
+    assert lines[6:9] == ["average", f"  {checkpoint}: 62.50", f"  {other}: 25.00"]
+    assert lines[-1] == "(the averages are over different tasks: not comparable)"
+
+
 def test_a_model_without_tokenizer_files_is_scored_with_the_given_tokenizer(
         checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An RL checkpoint saved without its tokenizer: refused with a hint, then scored with --tokenizer's, which gives

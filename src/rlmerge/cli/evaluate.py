@@ -66,7 +66,7 @@ def eval_command(
     if json_out:
         typer.echo(json.dumps({"settings": scorer.settings(), "models": rows, "versus_first": versus}, indent=1))
         return
-    _print(scorer.names, rows, versus)
+    _print(rows, versus)
 
 
 def _tokenizer_folder(path: Path) -> Path:
@@ -97,13 +97,18 @@ def _versus(first: dict[str, Any], other: dict[str, Any], seed: int) -> dict[str
     return out
 
 
-def _print(tasks: list[str], rows: list[dict[str, Any]], versus: list[dict[str, Any] | None]) -> None:
-    """Per task, each model's score ± its 95 % half-width (n), and the first's lead over it with its interval."""
+def _print(rows: list[dict[str, Any]], versus: list[dict[str, Any] | None]) -> None:
+    """Per task (as the scorers named them: a command's or a function's own), each model's score ± its 95 %
+    half-width (n), and the first's lead over it with its interval; a task a model was not scored on says so."""
     from ..sweeping.noise import Z95
 
+    tasks = list(dict.fromkeys(t for row in rows for t in row["scores"]))
     for task in [*tasks, "average"]:
         typer.echo(task)
         for row, vs in zip(rows, versus):
+            if task != "average" and task not in row["scores"]:
+                typer.echo(f"  {row['model']}: not scored (its scorer gave no {task!r})")
+                continue
             if task == "average":
                 iv = row["average_interval"]
                 text = f"{row['average']:.2f}" + (f" ± {iv['high'] - row['average']:.2f}" if iv else "")
@@ -117,3 +122,5 @@ def _print(tasks: list[str], rows: list[dict[str, Any]], versus: list[dict[str, 
                 text += (f"   first − this: {c['difference']:+.2f} [{c['low']:+.2f}, {c['high']:+.2f}] "
                          f"({c['how']}{', cannot tell apart' if c['indistinguishable'] else ''})")
             typer.echo(f"  {row['model']}: {text}")
+    if any(set(row["scores"]) != set(tasks) for row in rows):
+        typer.echo("(the averages are over different tasks: not comparable)")

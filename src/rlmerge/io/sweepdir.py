@@ -118,13 +118,13 @@ class SweepDir:
                 foreign += [n for n in inner if n not in listed and not _TMP.fullmatch(n.split("/")[1])]
                 changed += [n for n in inner if n in listed and not _same(self.path / n, listed[n])]
             elif _FOLDER.fullmatch(name) and p.is_dir() and not p.is_symlink():
-                # a checkpoint: proven (partial.not_ours) before it is replaced or removed; what its manifest
-                # lists is checked now, so that a lie there refuses the sweep before any work
-                inner = _read_json(p / CHECKPOINT_MANIFEST)
-                files = inner.get("files") if isinstance(inner, dict) else None
-                why = listed_problem(p, files) if isinstance(files, dict) else None
+                # a checkpoint: proven now by what its manifest lists and the files' sizes (partial.not_ours without
+                # the CRC-32s, which would read every kept checkpoint whole), so that a lie there or a file of
+                # someone else's refuses the sweep before any work; proven with the CRC-32s too before it is
+                # replaced or removed
+                why = not_ours(p, checksums=False)
                 if why is not None:
-                    return f"holds {name}, whose {CHECKPOINT_MANIFEST} {why}"
+                    return f"holds {name}, which {why}"
             elif _PARTIAL.fullmatch(name) and p.is_dir() and not p.is_symlink():
                 continue  # an interrupted checkpoint: partial.py's rules decide before it is reused
             elif name in listed and not p.is_symlink() and p.is_file():

@@ -21,7 +21,7 @@ from ..engine import budget
 from ..engine.merge import MergeResult, execute, merge, statistics_only
 from ..engine.preflight import Preflight, preflight
 from ..engine.route import route
-from ..errors import RLMergeError, raise_all
+from ..errors import RLMergeError, ScorerError, raise_all
 from ..io.memory import MemoryWriter
 from ..io.sweepdir import SweepDir
 from .cache import StatsCache
@@ -245,6 +245,9 @@ def _remove_scratch(ctx: Context, out: Path) -> None:
 
 
 def _scores(c: Candidate | Reference, scores: Mapping[str, Any]) -> dict[str, TaskScore]:
-    """The scorer's values, checked (scores.make: a ScorerError says what is wrong)."""
+    """The scorer's values, checked (scores.make: a ScorerError says what is wrong); none at all is a failure."""
+    if not dict(scores):
+        raise ScorerError(f"the scorer on candidate {c.label!r} returned no tasks (an empty mapping)",
+                          hint="a scorer returns {task: score} with at least one task")
     return {str(k): make(v, task=str(k), where=f"the scorer on candidate {c.label!r}")
             for k, v in dict(scores).items()}

@@ -166,6 +166,7 @@ def sweep(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
             else:
                 _search(run, spaces, search, scorer, seed=seed, trials=trials)  # type: ignore[arg-type]
             ordered = [run.scored[c.id] for c in run.order]
+            _incomplete(ordered)
             doc["candidates"] = [s.to_json(doc["examples"]) for s in ordered]  # also when --resume found all done
             result = _summary(ordered, doc, output=folder.path if folder is not None else None)
             _noise(result, doc, seed=seed)
@@ -418,6 +419,23 @@ def _check(base: Any, agents: Sequence[Any], cands: list[Candidate], options: di
     raise_all(problems)
     assert first is not None  # candidates are never empty (parse_all)
     return first
+
+
+def _incomplete(ordered: list[Scored]) -> None:
+    """A candidate scored on fewer tasks than another one becomes a failure (``Scored.error``, naming the tasks it
+    lacks, and what it did score): averages over different tasks cannot be ranked against each other (a command
+    that leaves a task out when one of its evaluations fails). As every failure: no scores, ranked last, never kept,
+    scored again by ``--resume``."""
+    scored = [s for s in ordered if s.scores and s.error is None]
+    tasks = list(dict.fromkeys(k for s in scored for k in s.scores))
+    for s in scored:
+        missing = [t for t in tasks if t not in s.scores]
+        if missing:
+            got = ", ".join(f"{t}={v:g}" for t, v in s.scores.items())
+            s.error = (f"scored on {len(s.scores)} of the {len(tasks)} tasks other candidates were scored on: no "
+                       f"score for {', '.join(map(repr, missing))} (it gave {got}); candidates are ranked only on "
+                       "the same tasks")
+            s.scores, s.details = {}, {}
 
 
 def _summary(ordered: list[Scored], doc: dict[str, Any], *, output: Path | None) -> SweepResult:
