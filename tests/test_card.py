@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -112,12 +113,36 @@ def test_the_cards_recipe_reproduces_the_merge(example, tmp_path: Path, args: li
         (tmp_path / "again.yml").write_text(text)
         again = ["merge", "--recipe", str(tmp_path / "again.yml")]
     else:
-        again = text.removeprefix("rlmerge ").removesuffix(" -o OUT").split(" ")
+        words = shlex.split(text)
+        assert words[:2] == ["rlmerge", "merge"] and words[-2:] == ["-o", "OUT"]
+        again = words[1:-2]
     assert cli_main([*again, "-o", str(tmp_path / "second"), "-q"]) == 0
     first = sorted(p.name for p in (tmp_path / "first").iterdir())
     assert first == sorted(p.name for p in (tmp_path / "second").iterdir())
     for name in first:
         if name.endswith(".safetensors") or name in ("config.json", "model.safetensors.index.json"):
+            assert (tmp_path / "first" / name).read_bytes() == (tmp_path / "second" / name).read_bytes(), name
+
+
+def test_the_cards_command_is_one_a_shell_runs_again(example, tmp_path: Path) -> None:
+    """The command was the words joined by spaces: a path with a space split in two and a template's ``<|`` was a
+    redirection (found by a QA pass, 2026-12-07). Now it is quoted: split as a shell splits it, it is the merge's
+    arguments, and run again it writes the same files (the chat template's text included)."""
+
+    base, agents = example
+    spaced = tmp_path / "my inputs"
+    shutil.copytree(base.parent, spaced)
+    models = [str(spaced / base.name), *(str(spaced / a.name) for a in agents)]
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}$HOME `x`{% endfor %}"
+    args = ["--method", "ties", "--param", "density=0.3", "--chat-template", template]
+    assert cli_main(["merge", *models, *args, "-o", str(tmp_path / "first"), "-q"]) == 0
+    got, text = _recipe_or_command(tmp_path / "first")
+    assert got == "command"
+    words = shlex.split(text)
+    assert words == ["rlmerge", "merge", *models, *args, "-o", "OUT"]
+    assert cli_main([*words[1:-2], "-o", str(tmp_path / "second"), "-q"]) == 0
+    for name in sorted(p.name for p in (tmp_path / "first").iterdir()):
+        if name not in ("README.md", "rlmerge.json"):
             assert (tmp_path / "first" / name).read_bytes() == (tmp_path / "second" / name).read_bytes(), name
 
 

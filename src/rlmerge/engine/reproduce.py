@@ -16,6 +16,7 @@ When none parses back (a rare parameter that only the command line spells), the 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -120,4 +121,4 @@ def _command(pf: Preflight, base: str, agents: Sequence[str], given: Mapping[str
             words.append(f"--{key.replace('_', '-')}")
     if pf.shard_bytes != DEFAULT_SHARD_SIZE:
         words += ["--shard-size", f"{pf.shard_bytes}B"]
-    return " ".join(words) + " -o OUT"
+    return shlex.join(words) + " -o OUT"  # quoted: a path with a space, a template's text run again as they were
