@@ -399,6 +399,8 @@ def _side_files(base: Checkpoint, writer: Any, match: Match, *, model: bool = Tr
                 writer.copy_file(given)
         elif src.is_file():
             writer.copy_file(src)
+    for module in match.code:  # the model's or tokenizer's own code (auto_map): copied, never run
+        writer.copy_file(module)
 
 
 def _config_with_dtype(config: dict[str, Any], match: Match) -> str:

@@ -9,6 +9,7 @@ dtype) is found while merging, before the output is published.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from ..io.dtypes import BF16, F16, F32, DType, by_name
 from ..io.hub import push_problems
 from ..io.open import open_one
 from ..io.partial import output_problems
+from ..io.remote_code import code_files
 from ..io.tokenizer_plan import TokenizerPlan, plan_tokenizer
 from ..io.vocab import VocabView
 from ..io.writer import parse_size
@@ -175,6 +177,8 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
                                 count_tied_twice=count_tied_twice, at_least=F32 if widen else None)
         pf.match.tokenizer = pf.tokenizer
         pf.match.warnings += pf.tokenizer.warnings
+        pf.match.code, notes = _model_code(pf.base, here, pf.tokenizer, model=output_format != "peft")
+        pf.match.warnings += notes
         if output_format == "peft":
             pf.out_dtypes, found = widen_to_f32(pf.match)
             problems += found
@@ -279,3 +283,21 @@ def check_side_inputs(match: Match, extras: Sequence[Checkpoint]) -> None:
                                            f"{list(job.info.shape)}", file=str(info.file), tensor=job.name,
                                            hint="it was computed for another model; recompute it"))
     raise_all(problems)
+
+
+def _model_code(base: Checkpoint, agents: Sequence[Any], tokenizer: TokenizerPlan, *, model: bool
+                ) -> tuple[list[Path], list[str]]:
+    """The modules the output's ``auto_map``s need (io/remote_code.py): config.json's from the base's folder (a model
+    output only: an adapter has no config), tokenizer_config.json's from the folder of the one the output gets."""
+    files: list[Path] = []
+    notes: list[str] = []
+    if model:
+        files, notes = code_files(base.side_dir, base.config, "config.json", base.check_inside)
+    chosen = tokenizer.files.get("tokenizer_config.json")  # what the output gets (None: none)
+    owner = next((m for m in (base, *agents) if isinstance(chosen, Path) and chosen.parent == m.side_dir), base)
+    try:
+        doc = json.loads(chosen if isinstance(chosen, bytes) else chosen.read_bytes()) if chosen is not None else None
+    except (OSError, ValueError):
+        doc = None  # unreadable: the tokenizer plan says so
+    more, said = code_files(owner.side_dir, doc, "tokenizer_config.json", owner.check_inside)
+    return list(dict.fromkeys([*files, *more])), [*notes, *said]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import InputError, RLMergeError, raise_all
@@ -54,6 +55,7 @@ class Match:
     warnings: list[str] = field(default_factory=list)
     base_agents: list[str] = field(default_factory=list)  # agents that are the base folder itself
     tokenizer: Any = None  # io.tokenizer_plan.TokenizerPlan: the output's tokenizer files (set by preflight)
+    code: list[Path] = field(default_factory=list)  # the modules the output's auto_maps need (io/remote_code.py)
 
     @property
     def merge_jobs(self) -> list[Job]:
