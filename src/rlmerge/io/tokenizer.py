@@ -4,14 +4,16 @@ A merged model is used through its tokenizer and chat template: an agent that ad
 (``<tool_call>``) or changed its chat template must not be merged silently under the base's. This module reads
 each model's tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``,
 ``added_tokens.json``, ``vocab.json``, ``merges.txt``, ``tokenizer.model``, ``chat_template.jinja`` /
-``.json``, ``generation_config.json``) and lists every difference by agent and file:
+``.json``, ``additional_chat_templates/*.jinja``, ``generation_config.json``) and lists every difference by agent
+and file:
 
 - the vocabulary (token → id, from ``tokenizer.json``'s model and added tokens, or ``vocab.json`` +
   ``added_tokens.json``): tokens only one side has, tokens with another id;
 - added tokens (their ``special`` flag, stripping), the bos / eos / pad / unk tokens;
-- the chat template in force (``chat_template.jinja``, else ``chat_template.json``, else ``tokenizer_config.json``'s,
-  as transformers reads them), ``generation_config.json``'s fields, and files compared as bytes (``merges.txt``,
-  ``tokenizer.model``).
+- the chat template in force (``chat_template.jinja`` with transformers 5's named templates in
+  ``additional_chat_templates/``, else ``chat_template.json``, else ``tokenizer_config.json``'s, as transformers
+  reads them): one template, or named ones (a list of ``{"name", "template"}``), compared name by name;
+  ``generation_config.json``'s fields, and files compared as bytes (``merges.txt``, ``tokenizer.model``).
 
 Every file is read inside the model's folder (``Checkpoint.check_inside``); a file that is not valid JSON is an
 ``InputError`` naming it.
@@ -31,6 +33,7 @@ from .checkpoint import Checkpoint
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model")
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+TEMPLATE_DIR = "additional_chat_templates"  # transformers 5: the named templates besides chat_template.jinja
 GENERATION = "generation_config.json"
 ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 BYTES_ONLY = ("merges.txt", "tokenizer.model")  # compared as bytes: rlmerge does not parse them
@@ -55,8 +58,9 @@ class Tokenizer:
     vocab: dict[str, int] | None = None  # token → id, added tokens included; None: unreadable (sentencepiece only)
     added: dict[str, dict[str, Any]] = field(default_factory=dict)  # content → {"id", "special", …} (added tokens)
     roles: dict[str, str | None] = field(default_factory=dict)  # bos_token … → its text
-    template: str | None = None  # the chat template in force
-    template_file: str | None = None  # where it lives
+    chat: str | dict[str, str] | None = None  # the chat template in force, as transformers holds it: one or named
+    template: str | None = None  # the same as one text to compare (named templates: their JSON, by name)
+    template_file: str | None = None  # where it lives (TEMPLATE_DIR: chat_template.jinja and the named files)
     generation: dict[str, Any] | None = None
     docs: dict[str, Any] = field(default_factory=dict)  # parsed JSON files, by name
     digests: dict[str, str] = field(default_factory=dict)  # SHA-256 of the files compared as bytes
@@ -116,6 +120,13 @@ def read_tokenizer(ckpt: Checkpoint) -> Tokenizer:
             tok.docs[name] = path.read_text(encoding="utf-8", errors="replace")
         else:
             tok.docs[name] = _json(ckpt, path)
+    named = folder / TEMPLATE_DIR
+    if named.is_dir():  # what transformers 5's save_pretrained writes for named templates, and its loader globs
+        for path in sorted(named.glob("*.jinja")):
+            ckpt.check_inside(path)
+            name = f"{TEMPLATE_DIR}/{path.name}"
+            tok.present.append(name)
+            tok.docs[name] = path.read_text(encoding="utf-8", errors="replace")
     _read_vocab(tok)
     config = tok.docs.get("tokenizer_config.json")
     specials = tok.docs.get("special_tokens_map.json")
@@ -124,7 +135,8 @@ def read_tokenizer(ckpt: Checkpoint) -> Tokenizer:
         if value is None and isinstance(specials, dict):
             value = _text(specials.get(role))
         tok.roles[role] = value
-    tok.template, tok.template_file = _template(tok)
+    tok.chat, tok.template_file = _template(tok)
+    tok.template = template_text(tok.chat)
     gen = tok.docs.get(GENERATION)
     tok.generation = gen if isinstance(gen, dict) else None
     return tok
@@ -173,19 +185,64 @@ def _read_vocab(tok: Tokenizer) -> None:
         tok.vocab.update({c: e["id"] for c, e in tok.added.items()})
 
 
-def _template(tok: Tokenizer) -> tuple[str | None, str | None]:
-    """The chat template transformers uses (chat_template.jinja wins, then chat_template.json, then
-    tokenizer_config.json's), and the file it comes from. A list of named templates is kept as its JSON."""
+def named_templates(value: Any, path: Path) -> str | dict[str, str] | None:
+    """A ``chat_template`` value as transformers holds it: a text, or named texts (tokenizer_config.json writes them
+    as a list of ``{"name", "template"}``); ``{"default": text}`` alone is that text. InputError for anything else."""
+    if value is None or isinstance(value, str):
+        return value
+    items: list[tuple[Any, Any]] = [(None, None)]
+    if isinstance(value, list):  # tokenizer_config.json's form
+        items = [(e.get("name"), e.get("template")) if isinstance(e, dict) else (None, None) for e in value]
+    elif isinstance(value, dict):  # transformers' own (tokenizer.chat_template)
+        items = list(value.items())
+    if not items or not all(isinstance(n, str) and isinstance(t, str) for n, t in items):
+        raise InputError(f"chat_template is neither a template nor a list of named templates: {value!r}"[:200],
+                         file=str(path), hint='write one template\'s text, or [{"name": …, "template": …}, …]')
+    named = dict(items)
+    return named["default"] if list(named) == ["default"] else named
+
+
+def template_text(chat: str | dict[str, str] | None) -> str | None:
+    """A chat template as one text to compare: named templates as their JSON, sorted by name (transformers picks
+    them by name, so their order does not matter)."""
+    return json.dumps(chat, sort_keys=True) if isinstance(chat, dict) else chat
+
+
+def _template(tok: Tokenizer) -> tuple[str | dict[str, str] | None, str | None]:
+    """The chat template transformers uses, and the file it comes from: the template files (chat_template.jinja, the
+    named ones in additional_chat_templates/) win, then chat_template.json, then tokenizer_config.json's."""
+    extra = {n.removeprefix(f"{TEMPLATE_DIR}/").removesuffix(".jinja"): t for n, t in tok.docs.items()
+             if n.startswith(f"{TEMPLATE_DIR}/")}
+    if extra:  # transformers 5: {"default": chat_template.jinja, NAME: additional_chat_templates/NAME.jinja, …}
+        default = {"default": tok.docs["chat_template.jinja"]} if "chat_template.jinja" in tok.docs else {}
+        return {**default, **extra}, TEMPLATE_DIR
     if "chat_template.jinja" in tok.docs:
         return tok.docs["chat_template.jinja"], "chat_template.jinja"
     for name in ("chat_template.json", "tokenizer_config.json"):
         doc = tok.docs.get(name)
-        value = doc.get("chat_template") if isinstance(doc, dict) else None
-        if isinstance(value, str):
+        value = named_templates(doc.get("chat_template"), tok.folder / name) if isinstance(doc, dict) else None
+        if value is not None:
             return value, name
-        if isinstance(value, list):
-            return json.dumps(value, sort_keys=True), name
     return None, None
+
+
+def _template_change(base: Tokenizer, agent: Tokenizer) -> tuple[str, str]:
+    """(file, what) for an agent whose chat template is not the base's: the named templates that differ, by name."""
+    if agent.chat is None:
+        return "tokenizer_config.json", "has no chat template (the base has one)"
+    if base.chat is None:
+        return agent.template_file or "chat_template.jinja", "has a chat template (the base has none)"
+    if not isinstance(base.chat, dict) and not isinstance(agent.chat, dict):
+        return agent.template_file or "chat_template.jinja", "chat template differs"
+    b = base.chat if isinstance(base.chat, dict) else {"default": base.chat}
+    a = agent.chat if isinstance(agent.chat, dict) else {"default": agent.chat}
+    names = sorted((n for n in {*a, *b} if a.get(n) != b.get(n)), key=lambda n: (n != "default", n))
+    where = agent.template_file or "chat_template.jinja"
+    if where == TEMPLATE_DIR:  # the first file that differs
+        where = "chat_template.jinja" if names[0] == "default" else f"{TEMPLATE_DIR}/{names[0]}.jinja"
+    return where, "chat template differs (named: " + _listed(
+        [f"{n} ({'the base lacks it' if n not in b else 'the agent lacks it' if n not in a else 'differs'})"
+         for n in names]) + ")"
 
 
 # -- differences --------------------------------------------------------------------------------------------
@@ -228,12 +285,7 @@ def differences(base: Tokenizer, agent: Tokenizer) -> list[tuple[str, str]]:
         if base.roles.get(role) != agent.roles.get(role) and agent.has_tokenizer:
             out.append(("tokenizer_config.json", f"{role} {base.roles.get(role)!r} → {agent.roles.get(role)!r}"))
     if base.template != agent.template and agent.has_tokenizer:
-        if agent.template is None:
-            out.append(("tokenizer_config.json", "has no chat template (the base has one)"))
-        else:
-            out.append((agent.template_file or "chat_template.jinja",
-                        "chat template differs" if base.template is not None else "has a chat template (the base "
-                                                                                  "has none)"))
+        out.append(_template_change(base, agent))
     if agent.generation is not None and base.generation != agent.generation:
         b_gen = base.generation or {}
         keys = sorted(k for k in set(b_gen) | set(agent.generation) if b_gen.get(k) != agent.generation.get(k))

@@ -12,8 +12,8 @@ choices, with mergekit's meaning (``tokenizer_source``, ``chat_template``):
 - an agent (as listed, or its folder's name): that agent's tokenizer and vocabulary.
 
 ``chat_template``: ``base`` (the default), an agent, ``auto`` (the template most models share, as mergekit), a
-``.jinja`` file, or the template's text. The chosen template is put where the output's tokenizer keeps its
-template, and nowhere else. ``generation_config.json`` is the base's.
+``.jinja`` file, or the template's text. The chosen template, with its named templates, is put where the output's
+tokenizer keeps its template, and nowhere else. ``generation_config.json`` is the base's.
 
 When the rows move (io/vocab.py) the plan carries a ``RowPlan``; preflight wraps every model in a ``VocabView``.
 """
@@ -31,7 +31,17 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, RLMergeError
 from .checkpoint import Checkpoint
-from .tokenizer import ADDED_FLAGS, GENERATION, TEMPLATE_FILES, TOKENIZER_FILES, Tokenizer, differences, read_tokenizer
+from .tokenizer import (
+    ADDED_FLAGS,
+    GENERATION,
+    TEMPLATE_DIR,
+    TEMPLATE_FILES,
+    TOKENIZER_FILES,
+    Tokenizer,
+    differences,
+    read_tokenizer,
+    template_text,
+)
 from .vocab import RowPlan, embedding_rows
 
 SOURCES = ("base", "union")  # besides an agent
@@ -236,56 +246,73 @@ def _union_files(base: Tokenizer, new: list[tuple[str, dict[str, Any]]]) -> dict
 
 def _template(plan: TokenizerPlan, base: Checkpoint, agents: list[Checkpoint], toks: list[Tokenizer],
               choice: str | None, chosen: Tokenizer) -> list[RLMergeError]:
-    """The chat template of the output (the base's by default), put where the output's tokenizer keeps one."""
-    text, name = toks[0].template, "base"
+    """The chat template of the output (the base's by default), put where the output's tokenizer keeps one. A
+    model's template comes with its named templates (``tool_use`` …): they are one choice."""
+    chat, name = toks[0].chat, "base"
     if choice == "auto":  # mergekit: the template most models share (the base counted first)
         found = [t.template for t in toks if t.template is not None]
         if found:
             text = Counter(found).most_common(1)[0][0]
             owners = [m.label for m, t in zip([base, *agents], toks) if t.template == text]
+            chat = next(t.chat for t in toks if t.template == text)
         name = f"auto: the template of {', '.join(owners)}" if found else "auto: no model has a template"
     elif choice not in (None, "base"):
         pick = pick_agent(choice, agents)
         if pick is not None:
-            text, name = toks[1 + pick].template, agents[pick].label
-            if text is None:
+            chat, name = toks[1 + pick].chat, agents[pick].label
+            if chat is None:
                 return [InputError(f"agent {name} has no chat template", file=str(toks[1 + pick].folder),
                                    hint="choose base, another agent, or a .jinja file")]
         elif os.path.isfile(choice):
             try:
-                text, name = Path(choice).read_text(encoding="utf-8"), str(choice)
-            except (OSError, UnicodeDecodeError) as e:
-                return [ConfigError(f"cannot read the chat template file: {e}", file=str(choice))]
+                chat, name = _template_file(Path(choice)), str(choice)
+            except RLMergeError as e:
+                return [e]
         elif "{{" in choice or "{%" in choice:
-            text, name = choice, "given in the recipe"
+            chat, name = choice, "given in the recipe"
         else:
             return [ConfigError(f"chat template {choice!r} is neither base, auto, an agent, a file nor a template",
                                 hint="give base, auto, an agent as listed, a .jinja file, or the template's text "
                                      "(mergekit's built-in names are not shipped: give the template's file)")]
     plan.chat_template = name
-    if text == chosen.template:
+    if template_text(chat) == chosen.template and chosen.template_file != TEMPLATE_DIR:
         return []  # the output's tokenizer already holds it where it keeps it
-    _place_template(plan, chosen, text)
+    _place_template(plan, chosen, chat)
     return []
 
 
-def _place_template(plan: TokenizerPlan, tok: Tokenizer, text: str | None) -> None:
-    """Write ``text`` where ``tok`` keeps its chat template (chat_template.jinja when it has none) and take every
-    other copy out, so that transformers reads ``text`` whatever its precedence."""
-    home = tok.template_file or "chat_template.jinja"
+def _template_file(path: Path) -> str | dict[str, str]:
+    """A chat template given as a file: the template's text (a ``.jinja``)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the chat template file: {e}", file=str(path)) from e
+
+
+def _place_template(plan: TokenizerPlan, tok: Tokenizer, chat: str | dict[str, str] | None) -> None:
+    """Write ``chat`` where ``tok`` keeps its chat template (chat_template.jinja when it has none) and take every
+    other copy out, so that transformers reads ``chat`` whatever its precedence. Named templates go into
+    tokenizer_config.json as the list transformers reads there: the output folder holds plain files only (its
+    manifest proves them rlmerge's), so transformers 5's additional_chat_templates/ folder is not written."""
+    home = tok.template_file if tok.template_file not in (None, TEMPLATE_DIR) else "chat_template.jinja"
+    if isinstance(chat, dict):
+        home = "tokenizer_config.json"
     for name in TEMPLATE_FILES:
         plan.files.pop(name, None)
     current = plan.files.get("tokenizer_config.json")
     config = json.loads(current) if isinstance(current, bytes) else tok.docs.get("tokenizer_config.json")
+    if config is None and home == "tokenizer_config.json":
+        config = {}
     if isinstance(config, dict) and ("chat_template" in config or home == "tokenizer_config.json"):
         doc = {k: v for k, v in config.items() if k != "chat_template"}
-        if home == "tokenizer_config.json" and text is not None:
-            doc["chat_template"] = text
+        if home == "tokenizer_config.json" and chat is not None:
+            doc["chat_template"] = chat if isinstance(chat, str) else [{"name": k, "template": v}
+                                                                       for k, v in chat.items()]
         plan.files["tokenizer_config.json"] = _dumps(doc)
-    if text is not None and home == "chat_template.json":
-        plan.files[home] = _dumps({"chat_template": text})
-    elif text is not None and home == "chat_template.jinja":
-        plan.files[home] = text.encode()
+    if isinstance(chat, str) and home == "chat_template.json":
+        plan.files[home] = _dumps({"chat_template": chat})
+    elif isinstance(chat, str) and home == "chat_template.jinja":
+        plan.files[home] = chat.encode()
 
 
 def _warnings(plan: TokenizerPlan, agents: list[Checkpoint]) -> list[str]:
