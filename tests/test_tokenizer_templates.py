@@ -1,4 +1,4 @@
-"""Named chat templates: what the output's tokenizer renders, as transformers loads it.
+"""Named chat templates and template files: what the output's tokenizer renders, as transformers loads it.
 
 A tool-use model often ships named templates besides its default one: a ``tokenizer_config.json`` list of
 ``{"name", "template"}``, or, as transformers 5's ``save_pretrained`` writes them, ``chat_template.jinja`` plus
@@ -16,6 +16,7 @@ import pytest
 import rlmerge
 from conftest import TINY
 from rlmerge.cli import main as cli_main
+from rlmerge.errors import ConfigError
 from rlmerge.synthetic import make_example
 from test_tokenizers import _edit
 
@@ -77,6 +78,30 @@ def test_a_named_template_that_differs_is_reported_by_file(tmp_path: Path, capsy
                                                                       "(differs))")]
     rlmerge.merge(base, agents, tmp_path / "o", method="ram", chat_template=str(agents[2]))
     assert _renders(tmp_path / "o")["tool_use"] == "other"
+
+
+def test_a_chat_template_json_file_is_read_as_one(example, tmp_path: Path) -> None:
+    """--chat-template chat_template.json: its chat_template key (one template or named ones), not its JSON text;
+    a .json without one is refused, naming the file, before any weight is read."""
+    base, agents = example
+    one = tmp_path / "chat_template.json"
+    one.write_text(json.dumps({"chat_template": "{% for m in messages %}X:{{ m['content'] }}{% endfor %}"}))
+    assert cli_main(["merge", str(base), *map(str, agents), "-o", str(tmp_path / "a"), "-q", "--method", "ram",
+                     "--chat-template", str(one)]) == 0
+    assert _renders(tmp_path / "a", ())[None] == "X:hi"
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps({"chat_template": [{"name": "default", "template": DEFAULT},
+                                                   {"name": "tool_use", "template": TOOL_USE}]}))
+    rlmerge.merge(base, agents, tmp_path / "b", method="ram", chat_template=str(named))
+    assert _renders(tmp_path / "b") == {None: "D:hi", "default": "D:hi", "tool_use": "T:hi"}
+    for text, why in (("{not json", "not valid JSON"), (json.dumps({"template": "x"}), "no chat_template key"),
+                      (json.dumps({"chat_template": [{"name": 1}]}), "neither a template nor a list")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=why) as e:
+            rlmerge.merge(base, agents, tmp_path / "c", method="ram", chat_template=str(bad))
+        assert e.value.file == str(bad) and "chat_template.json" in (e.value.hint or "")
+    assert not (tmp_path / "c").exists()
 
 
 def test_named_templates_beside_another_tokenizer_source(tmp_path: Path) -> None:

@@ -36,7 +36,8 @@ TokenizerSource = Annotated[str | None, typer.Option(help="the output's tokenize
                                                          "base (rows mapped by token), union (every model's tokens) "
                                                          "or an AGENT (default: the base's, rows as stored)")]
 ChatTemplate = Annotated[str | None, typer.Option(help="the output's chat template: base (default), auto (the one "
-                                                       "most models share), an AGENT, a .jinja FILE, or its text")]
+                                                       "most models share), an AGENT, a .jinja FILE, a "
+                                                       "chat_template.json, or its text")]
 PushToHub = Annotated[str | None, typer.Option(help="upload the finished output to this Hub repository (ORG/NAME): "
                                                     "checked before any weight is read, pushed once complete")]
 Private = Annotated[bool, typer.Option(help="--push-to-hub: create the repository private")]

@@ -12,8 +12,9 @@ choices, with mergekit's meaning (``tokenizer_source``, ``chat_template``):
 - an agent (as listed, or its folder's name): that agent's tokenizer and vocabulary.
 
 ``chat_template``: ``base`` (the default), an agent, ``auto`` (the template most models share, as mergekit), a
-``.jinja`` file, or the template's text. The chosen template, with its named templates, is put where the output's
-tokenizer keeps its template, and nowhere else. ``generation_config.json`` is the base's.
+``.jinja`` file, a ``chat_template.json`` (a ``.json`` file: its ``chat_template``), or the template's text. The
+chosen template, with its named templates, is put where the output's tokenizer keeps its template, and nowhere
+else. ``generation_config.json`` is the base's.
 
 When the rows move (io/vocab.py) the plan carries a ``RowPlan``; preflight wraps every model in a ``VocabView``.
 """
@@ -39,6 +40,7 @@ from .tokenizer import (
     TOKENIZER_FILES,
     Tokenizer,
     differences,
+    named_templates,
     read_tokenizer,
     template_text,
 )
@@ -272,8 +274,9 @@ def _template(plan: TokenizerPlan, base: Checkpoint, agents: list[Checkpoint], t
             chat, name = choice, "given in the recipe"
         else:
             return [ConfigError(f"chat template {choice!r} is neither base, auto, an agent, a file nor a template",
-                                hint="give base, auto, an agent as listed, a .jinja file, or the template's text "
-                                     "(mergekit's built-in names are not shipped: give the template's file)")]
+                                hint="give base, auto, an agent as listed, a .jinja file, a chat_template.json, or "
+                                     "the template's text (mergekit's built-in names are not shipped: give the "
+                                     "template's file)")]
     plan.chat_template = name
     if template_text(chat) == chosen.template and chosen.template_file != TEMPLATE_DIR:
         return []  # the output's tokenizer already holds it where it keeps it
@@ -282,11 +285,27 @@ def _template(plan: TokenizerPlan, base: Checkpoint, agents: list[Checkpoint], t
 
 
 def _template_file(path: Path) -> str | dict[str, str]:
-    """A chat template given as a file: the template's text (a ``.jinja``)."""
+    """A chat template given as a file: a ``.json`` is a chat_template.json (its ``chat_template``: a template or a
+    list of named ones), anything else the template's text (a ``.jinja``)."""
     try:
-        return path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read the chat template file: {e}", file=str(path)) from e
+    if path.suffix.lower() != ".json":
+        return text
+    hint = ('a .json file is read as a chat_template.json: {"chat_template": "…"} (or a list of {"name", '
+            '"template"}); give the template itself as a .jinja file')
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"the chat template file is not valid JSON: {e}", file=str(path), hint=hint) from e
+    try:
+        chat = named_templates(doc.get("chat_template") if isinstance(doc, dict) else None, path)
+    except InputError as e:
+        raise ConfigError(e.message, file=str(path), hint=hint) from e
+    if chat is None:
+        raise ConfigError("the chat template file has no chat_template key", file=str(path), hint=hint)
+    return chat
 
 
 def _place_template(plan: TokenizerPlan, tok: Tokenizer, chat: str | dict[str, str] | None) -> None:
