@@ -143,3 +143,22 @@ def test_same_adapter_on_both_paths_and_any_block_size(models, tmp_path: Path, m
         rlmerge.merge(base, agents, out, method="ram+", output_format="peft", rank="4", block_size=block)
         files.append((out / "adapter_model.safetensors").read_bytes())
     assert files[0] == files[1]
+
+
+def test_adapter_options_without_peft_are_refused_in_plan_and_merge(models, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """--rank / --non-linear mean nothing to a full model: refused (even --rank abc), never silently ignored, by plan
+    and merge alike, before anything is written."""
+    from rlmerge.cli import main as cli_main
+
+    base, agents, _ = models
+    models_args = [str(base), *map(str, agents)]
+    for flags in (["--rank", "abc"], ["--rank", "4"], ["--non-linear", "refuse"], ["--rank", "4", "--non-linear",
+                                                                                    "save"]):
+        for command in (["merge", *models_args, "-o", str(tmp_path / "o"), "-q"], ["plan", *models_args]):
+            assert cli_main([*command, *flags]) == ConfigError.exit_code, (command[0], flags)
+            said = capsys.readouterr().err
+            assert "apply to --output-format peft" in said and flags[1] in said, said
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ConfigError, match="--rank 4 apply to --output-format peft"):
+        rlmerge.merge(base, agents, tmp_path / "o", rank="4")
+    assert cli_main(["plan", *models_args, "--output-format", "peft", "--rank", "4"]) == 0  # where they apply

@@ -73,7 +73,7 @@ def dry_run(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
             allow_missing: bool = False, count_tied_twice: bool = False, force: bool = False,
             resume: bool = False, available: int | None = None, device: str = "cpu", seed: Any = 0,
             tokenizer_source: str | None = None, chat_template: str | None = None, output_format: str = "hf",
-            rank: Any = "full", non_linear: str = "save", push_to_hub: str | None = None,
+            rank: Any = None, non_linear: str | None = None, push_to_hub: str | None = None,
             revision: str | None = None, **_ignored: Any) -> DryRun:
     """Check a merge without running it; ``available`` overrides the memory available (bytes).
 

@@ -67,8 +67,8 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
           fsync: bool = True, cache: StatisticsCache | None = None, defaults: Sequence[str] = (),
           notes: Sequence[str] = (), tokenizer_source: str | None = None,
           chat_template: str | None = None, push_to_hub: str | None = None, private: bool = False,
-          revision: str | None = None, output_format: str = "hf", rank: Any = "full",
-          non_linear: str = "save") -> MergeResult:
+          revision: str | None = None, output_format: str = "hf", rank: Any = None,
+          non_linear: str | None = None) -> MergeResult:
     """Merge ``agents`` (fine-tunes of ``base``) into a new Hugging Face checkpoint at ``output``.
 
     >>> res = rlmerge.merge("base/", ["coder/", "tools/", "memory/"], "merged/", method="ram+",
@@ -108,7 +108,7 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
                           tokenizer_source=tokenizer_source, chat_template=chat_template,
                           output_format=output_format if adapter else None,
                           rank=str(adapter.ranks) if adapter else None,
-                          non_linear=non_linear if adapter else None)
+                          non_linear=adapter.non_linear if adapter else None)
         with PartialDir(output, force=force, resume=resume, inputs=pf.models) as partial:
             result = _run(pf.match, pf.spec, pf.params, partial, shard_bytes=pf.shard_bytes,
                           block_size=pf.block_size, device=device, seed=seed, quiet=quiet, recipe=recipe,

@@ -114,8 +114,8 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
               block_size: Any = 1 << 22, device: str = "cpu", force: bool = False, resume: bool = False,
               allow_missing: bool = False, count_tied_twice: bool = False, seed: Any = 0,
               available: int | None = None, tokenizer_source: str | None = None,
-              chat_template: str | None = None, output_format: str = "hf", rank: Any = "full",
-              non_linear: str = "save", push_to_hub: str | None = None, revision: str | None = None) -> Preflight:
+              chat_template: str | None = None, output_format: str = "hf", rank: Any = None,
+              non_linear: str | None = None, push_to_hub: str | None = None, revision: str | None = None) -> Preflight:
     """Check a merge from headers only; every problem is collected in ``Preflight.problems``.
 
     ``tokenizer_source`` / ``chat_template``: the output's tokenizer and chat template (io/tokenizer_plan.py); when
@@ -138,12 +138,19 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
         extra_specs = []
     if output_format == "peft":
         try:
-            pf.adapter = AdapterOptions.parse(rank, non_linear)
+            pf.adapter = AdapterOptions.parse("full" if rank is None else rank, non_linear or "save")
         except RLMergeError as e:
             problems += flat(e)
         if resume:
             problems.append(ConfigError("--resume continues a sharded model; an adapter is written in one go",
                                         hint="run again without --resume (or with --force)"))
+    else:  # a full model has no rank: an adapter's option given without one is refused, never ignored
+        given = [f"--{k.replace('_', '-')} {v}" for k, v in (("rank", rank), ("non_linear", non_linear))
+                 if v is not None]
+        if given:
+            problems.append(ConfigError(f"{' and '.join(given)} apply to --output-format peft (a LoRA adapter); "
+                                        f"this merge writes --output-format {output_format}",
+                                        hint="add --output-format peft, or leave out --rank and --non-linear"))
     if push_to_hub is not None:
         problems += push_problems(push_to_hub, revision=revision)
     opened = _open([base, *agents, *extra_specs], problems)
