@@ -11,6 +11,8 @@ import torch
 import rlmerge
 from conftest import TINY, as_bin, assert_same_tensors, load_output, numba_route
 from reference import ram_reference
+from rlmerge.engine.preflight import preflight
+from rlmerge.methods import REGISTRY
 from rlmerge.synthetic import Shape, make_example
 
 
@@ -108,6 +110,54 @@ def test_non_float_tensors_copied_and_extra_agent_tensors_dropped(tmp_path: Path
     assert "v_head.weight" not in got
     assert any("v_head.weight" in w for w in res.warnings)
     assert json.loads((tmp_path / "o" / "rlmerge.json").read_text())["dropped_tensors"] == {"v_head.weight": [str(a)]}
+
+
+def _with_empty(root: Path, dtypes: tuple[torch.dtype, ...]) -> tuple[Path, list[Path], list[str]]:
+    """Two agents of TINY whose models hold a float tensor of no element (the base's, then each agent's, in
+    ``dtypes``), and a Fisher file per agent for ``fisher``."""
+    from safetensors.torch import load_file, save_file
+
+    base, agents = make_example(root, shape=TINY, densities=(0.05, 0.5))
+    fisher = []
+    for i, (m, dtype) in enumerate(zip((base, *agents), dtypes)):
+        f = m / "model.safetensors"
+        t = load_file(f)
+        t["z.empty"] = torch.zeros(0, 4, dtype=dtype)
+        save_file(t, f, metadata={"format": "pt"})
+        if i:
+            (root / f"fisher{i}").mkdir()
+            save_file({k: torch.ones_like(v, dtype=torch.float32) for k, v in t.items() if v.is_floating_point()},
+                      root / f"fisher{i}" / "model.safetensors", metadata={"format": "pt"})
+            fisher.append(str(root / f"fisher{i}"))
+    return base, agents, fisher
+
+
+@pytest.fixture(scope="module")
+def with_empty(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path], list[str]]:
+    return _with_empty(tmp_path_factory.mktemp("empty"), (torch.bfloat16,) * 3)
+
+
+@pytest.mark.parametrize("method", sorted(REGISTRY))
+def test_an_empty_float_tensor_is_written_by_every_method(with_empty, tmp_path: Path, method: str) -> None:
+    # No block of it is streamed, so no statistics pass sees it: it is copied, in the dtype a merged tensor takes
+    # (model_stock and arm-ties crashed on it; plan said ok).
+    base, agents, fisher = with_empty
+    params = {"fisher": fisher} if method == "fisher" else None
+    pf = preflight(base, agents, tmp_path / "o", method=method, params=params)
+    pf.close()
+    assert not pf.problems, [p.render() for p in pf.problems]
+    rlmerge.merge(base, agents, tmp_path / "o", method=method, params=params)
+    got = load_output(tmp_path / "o")
+    assert got["z.empty"].shape == (0, 4)
+    assert got["z.empty"].dtype == got["model.norm.weight"].dtype  # the output rule of the merged tensors
+
+
+def test_an_empty_float_tensor_an_agent_stores_in_another_dtype_is_no_change(tmp_path: Path) -> None:
+    # copied, not merged: the agent's float32 copy of no element holds no value the merge would lose
+    base, agents, _ = _with_empty(tmp_path / "in", (torch.bfloat16, torch.bfloat16, torch.float32))
+    rlmerge.merge(base, agents, tmp_path / "o", method="ties", dtype="float32")
+    got = load_output(tmp_path / "o")
+    assert got["z.empty"].shape == (0, 4) and got["z.empty"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -368,6 +368,8 @@ def check_copies(match: Match) -> None:
             if not here:
                 continue
             info = agent.tensors[job.name]
+            if job.numel == 0 and info.is_float:  # an empty float tensor: no value of the agent's to lose
+                continue
             step = max(1, (1 << 24) // max(job.info.dtype.itemsize, 1))
             if info.dtype != job.info.dtype or any(
                     bytes(match.base.read_raw(job.name, a, b)) != bytes(agent.read_raw(job.name, a, b))

@@ -232,7 +232,9 @@ def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | N
                 problems.append(InputError(f"agent stores {other.dtype.code} where the base stores "
                                            f"{info.dtype.code}", file=str(other.file),
                                            tensor=name, hint="re-save the agent in a float dtype"))
-        kind: Literal["merge", "copy"] = "merge" if info.is_float else "copy"
+        # an empty float tensor has no element to merge (a block stream over it yields no block, so no statistics
+        # or observer would see it): it is copied, in the dtype a merged one would take
+        kind: Literal["merge", "copy"] = "merge" if info.is_float and info.numel > 0 else "copy"
         out_dtype = dtype if (dtype is not None and info.is_float) else info.dtype
         if dtype is None and at_least is not None and info.is_float and info.dtype.itemsize < at_least.itemsize:
             out_dtype = at_least
