@@ -222,6 +222,8 @@ FOLDER_CASES: list[tuple[str, Callable[[World, str], Path], str, str]] = [
     ("the -old sibling is one of the inputs", _planted_old_is_an_input, REFUSED, OK),
     ("output is a folder rlmerge did not write", _foreign_folder, REFUSED, REFUSED),
     ("output is an existing file", _existing_file, REFUSED, REFUSED),
+    ("a file stands where the output's folder would be", lambda w, c: w.root / "user" / "notes.txt" / "a" / "b",
+     REFUSED, REFUSED),
     ("output is the current directory", _dot, REFUSED, REFUSED),
     ("output is an earlier output of the same command", _previous_output, REFUSED, OK),
     ("an earlier output holding a file the user added", _previous_output_with_a_user_file, REFUSED, REFUSED),
@@ -394,6 +396,21 @@ def test_a_manifest_naming_anything_outside_its_folder_deletes_nothing(world: Wo
     assert "Traceback" not in err and str(out.name) in err
 
 
+@pytest.mark.parametrize("cmd", [_plan, _merge])
+def test_an_output_under_a_file_names_that_file(world: World, cmd, capsys) -> None:
+    # merge used to fail creating the partial folder ("cannot write: File exists", naming a path that does not
+    # exist, no hint), and plan said ok
+    notes = world.root / "user" / "notes.txt"
+    before = tree(world.root)
+    with no_weight_reads():
+        code = main(cmd(world, notes / "sub", False))
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert "a file stands where the output's folder would be" in err and f"(file {notes})" in err, err
+    assert "move that file away" in err and "rlmerge-partial" not in err, err
+    assert tree(world.root) == before
+
+
 # -- a single output file: inspect --save -------------------------------------------------------------------
 def _onto_input_weights(w: World) -> Path:
     return w.base / "model.safetensors"
@@ -425,6 +442,7 @@ FILE_CASES: list[tuple[str, Callable[[World], Path], str, str]] = [
     ("a dangling symlink", _file_dangling_symlink, REFUSED, REFUSED),
     ("a file rlmerge did not write", lambda w: w.root / "user" / "notes.txt", REFUSED, REFUSED),
     ("an existing folder", lambda w: w.root / "user", REFUSED, REFUSED),
+    ("inside a file", lambda w: w.root / "user" / "notes.txt" / "report.json", REFUSED, REFUSED),
     ("an earlier report", _previous_report, REFUSED, OK),
     ("a new file in the user's folder", lambda w: w.root / "user" / "new.json", OK, OK),
 ]

@@ -275,6 +275,10 @@ def output_problems(output: str | os.PathLike[str], inputs: Sequence[Checkpoint 
     out = target(output)
     if not out.name or out == Path(out.anchor):
         return [OutputError("the output must name a folder or file to create", file=str(output))]
+    parent = next((p for p in out.parents if p.exists()), None)  # the folder the output would be created under
+    if parent is not None and not parent.is_dir():  # nothing can be created under a file (mkdir: "File exists")
+        return [OutputError("a file stands where the output's folder would be", file=str(parent),
+                            hint=f"choose another output location, or move that file away ({out} would be inside it)")]
     roots = _roots(inputs)
     problems = _overlap(out, roots, f"the output {'file' if kind == 'file' else 'folder'}")
     if problems:
@@ -285,7 +289,6 @@ def output_problems(output: str | os.PathLike[str], inputs: Sequence[Checkpoint 
         partial = partial_path(out)
         problems += _overlap(partial, roots, "the partial folder") or _partial_problems(partial, force=force,
                                                                                       resume=resume)
-    parent = next((p for p in out.parents if p.exists()), None)
     if parent is not None and not os.access(parent, os.W_OK):
         problems.append(OutputError("the output's folder is not writable", file=str(parent),
                                     hint="choose a writable output folder"))
