@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,32 @@ def test_nan_or_inf_in_a_task_vector(example, tmp_path: Path, method: str, bad: 
     broken = _variant(agents[1], tmp_path / "broken", edit=poison)
     with pytest.raises(InputError, match="NaN or Inf") as info:
         rlmerge.merge(base, [agents[0], broken], tmp_path / "out", method=method, block_size=50)
+    assert info.value.tensor == name and "flat element 77" in info.value.message
+    assert info.value.file == str(broken / "model.safetensors")
+    assert not (tmp_path / "out").exists() and not partial_path(tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fast", ["0", "1"], ids=["torch", "numba"])
+@pytest.mark.parametrize("method", ["ram", "task_arithmetic"])  # counted in a statistics pass; checked while merging
+@pytest.mark.parametrize("agent_too", [False, True], ids=["base-only", "base-and-agent"])
+def test_nan_or_inf_in_the_base_names_the_base(example, tmp_path: Path, monkeypatch, method: str, fast: str,
+                                               agent_too: bool) -> None:
+    # every τ is non-finite where θ₀ is: the error used to name the first agent's file; Inf in both models at the
+    # same place (Inf - Inf) also printed numpy's "invalid value encountered in subtract" first
+    monkeypatch.setenv("RLMERGE_FAST", fast)
+    base, agents = example
+    name = "model.layers.1.mlp.up_proj.weight"
+
+    def poison(t: dict[str, torch.Tensor]) -> None:
+        t[name] = t[name].clone()
+        t[name].view(-1)[77] = math.inf
+
+    broken = _variant(base, tmp_path / "broken", edit=poison)
+    given = [_variant(agents[0], tmp_path / "agent", edit=poison) if agent_too else agents[0], agents[1]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(InputError, match="NaN or Inf in the base") as info:
+            rlmerge.merge(broken, given, tmp_path / "out", method=method, block_size=50)
     assert info.value.tensor == name and "flat element 77" in info.value.message
     assert info.value.file == str(broken / "model.safetensors")
     assert not (tmp_path / "out").exists() and not partial_path(tmp_path / "out").exists()

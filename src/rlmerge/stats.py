@@ -125,10 +125,18 @@ def _pattern_tables(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def check_finite(deltas: torch.Tensor, sumsq_block: torch.Tensor, *, name: str, files: list[str],
-                 start: int) -> None:
-    """Raise on NaN/Inf in a task vector block; ``sumsq_block`` [N] is the cheap first check."""
+                 start: int, base: torch.Tensor | None = None, base_file: str | None = None) -> None:
+    """Raise on NaN/Inf in a task vector block; ``sumsq_block`` [N] is the cheap first check. ``base`` (the block's
+    θ₀, stored in ``base_file``) is looked at first: a non-finite base makes every agent's τ non-finite there, and
+    it is the base's file that is broken."""
     if bool(torch.isfinite(sumsq_block).all()):
         return
+    if base is not None:
+        bad = ~torch.isfinite(base)
+        if bool(bad.any()):
+            where = start + int(bad.nonzero()[0, 0])
+            raise InputError(f"NaN or Inf in the base at flat element {where}", file=base_file, tensor=name,
+                             hint="the base checkpoint is broken; re-export it")
     for t in range(deltas.shape[0]):
         bad = ~torch.isfinite(deltas[t])
         if bool(bad.any()):

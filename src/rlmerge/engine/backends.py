@@ -144,7 +144,8 @@ class TorchBackend:
             if ts is not None:
                 count(run.stats, job, blk, files)
             else:
-                check_finite(blk.deltas, blk.deltas.sum(1), name=job.name, files=files, start=blk.start)
+                check_finite(blk.deltas, blk.deltas.sum(1), name=job.name, files=files, start=blk.start,
+                             base=blk.base, base_file=str(job.info.file))
             merged = run.spec.merge_block(blk.base, blk.deltas, run.params_of(job.name),
                                           run.context(job, blk, run.prepared))
             written = cast(merged, job, blk.start)
@@ -185,7 +186,8 @@ def count(stats: Statistics, job: Job, blk: Block, files: list[str]) -> None:
     ts = stats.for_tensor(job.name, job.numel, job.weight)
     before = ts.sumsq.copy()
     ts.update(blk.deltas.cpu(), mask.cpu(), counts.cpu())
-    check_finite(blk.deltas, torch.from_numpy(ts.sumsq - before), name=job.name, files=files, start=blk.start)
+    check_finite(blk.deltas, torch.from_numpy(ts.sumsq - before), name=job.name, files=files, start=blk.start,
+                 base=blk.base, base_file=str(job.info.file))
 
 
 def cast(merged: torch.Tensor, job: Job, start: int) -> torch.Tensor:

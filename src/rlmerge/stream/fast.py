@@ -336,8 +336,10 @@ class FastPath:
 
     def raise_non_finite(self, job: Job, start: int, base: np.ndarray, agents: Any) -> None:
         files = [str(a.tensors[job.name].file) for a in self.match.agents]
-        check_finite(torch.from_numpy(self.block_tau(base, agents)), torch.tensor([float("nan")]), name=job.name,
-                     files=files, start=start)
+        with np.errstate(invalid="ignore"):  # Inf - Inf: a NaN τ is what is being looked for, not a warning
+            tau = self.block_tau(base, agents)
+        check_finite(torch.from_numpy(tau), torch.tensor([float("nan")]), name=job.name, files=files, start=start,
+                     base=torch.from_numpy(_decoded(base)), base_file=str(job.info.file))
 
     def out_view(self, slot: _Slot, job: Job, n: int) -> np.ndarray:
         dt = STORED[job.out_dtype]
