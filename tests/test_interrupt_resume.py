@@ -194,6 +194,53 @@ def test_resume_is_byte_identical_and_verifies_kept_shards(example, tmp_path: Pa
     assert res.output == out
 
 
+RESUMED = ["--method", "ram", "--block-size", "300", "--shard-size", "16KB", "--seed", "7"]
+
+
+def _touch(path: Path) -> None:
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+# (case, what the resuming command changes, what it is refused with; None: it resumes)
+RESUME_CASES = [
+    ("same command", [], None, None),
+    ("the block size (free)", ["--block-size", "1000"], None, None),
+    ("another method", ["--method", "task_arithmetic"], None, "other inputs or settings"),
+    ("another shard size", ["--shard-size", "20KB"], None, "other inputs or settings"),
+    ("another seed", ["--seed", "8"], None, "other inputs or settings"),
+    ("an input changed since", [], lambda agents: _touch(agents[1] / "model.safetensors"),
+     "changed since the interrupted run began (its modification time)"),
+]
+
+
+@pytest.mark.parametrize(("case", "change", "edit", "refused"), RESUME_CASES, ids=[c[0] for c in RESUME_CASES])
+def test_plan_resume_reports_what_merge_resume_refuses(example, tmp_path: Path, monkeypatch, capsys, case: str,
+                                                       change: list[str], edit, refused: str | None) -> None:
+    # plan --resume said ok where merge --resume refused: the comparison was only in PartialDir.start
+    base, agents = example
+    out = tmp_path / "out"
+    models = [str(base), *map(str, agents)]
+    with monkeypatch.context() as m:
+        interrupt_after(m, 2, KeyboardInterrupt())
+        assert main(["merge", *models, "-o", str(out), *RESUMED, "-q"]) == 130
+    capsys.readouterr()
+    if edit is not None:
+        edit(agents)
+    plan = main(["plan", *models, "-o", str(out), *RESUMED, *change, "--resume"])
+    plan_err = " ".join(capsys.readouterr().err.split())
+    merge = main(["merge", *models, "-o", str(out), *RESUMED, *change, "--resume", "-q"])
+    merge_err = " ".join(capsys.readouterr().err.split())
+    if refused is None:
+        assert (plan, merge) == (0, 0), (plan_err, merge_err)
+        assert out.is_dir()
+        return
+    assert (plan, merge) == (4, 4), (plan_err, merge_err)
+    for err in (plan_err, merge_err):
+        assert refused in err and f"(file {partial_path(out)})" in err and "--force" in err, err
+    assert _shards_done(out) == 2 and not out.exists()  # the kept work survives both
+
+
 def test_resume_without_partial_starts_fresh(example, tmp_path: Path) -> None:
     base, agents = example
     rlmerge.merge(base, agents, tmp_path / "a", method="ram")

@@ -31,6 +31,8 @@ def plan_command(
     chat_template: o.ChatTemplate = None,
     force: Annotated[bool, typer.Option(help="the merge will replace an existing output")] = False,
     resume: Annotated[bool, typer.Option(help="the merge will resume an interrupted one")] = False,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (as the merge's)")] = None,
+    seed: Annotated[int | None, typer.Option(help="the merge's seed (its --resume must be given the same)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON on stdout")] = False,
     output_format: o.OutputFormat = None,
     rank: o.Rank = None,
@@ -42,17 +44,18 @@ def plan_command(
     """Check a merge from headers only (no weight is read): report every problem and what it will cost."""
     req = gather(models, recipe, method, dtype, param, **(flags or {}))
     options = {k: v for k, v in req.options.items()
-               if k in ("shard_size", "block_size", "tokenizer_source", "chat_template")}
+               if k in ("shard_size", "block_size", "tokenizer_source", "chat_template", "seed", "device")}
     allow_missing = allow_missing or bool(req.options.get("allow_missing", False))
     count_tied_twice = count_tied_twice or bool(req.options.get("count_tied_twice", False))
     options.update({k: v for k, v in {"shard_size": shard_size, "block_size": block_size,
                                       "tokenizer_source": tokenizer_source, "chat_template": chat_template,
                                       "output_format": output_format, "rank": rank, "non_linear": non_linear,
-                                      "push_to_hub": push_to_hub, "revision": revision}.items()
+                                      "push_to_hub": push_to_hub, "revision": revision, "seed": seed,
+                                      "device": device}.items()
                     if v is not None})
     report = dry_run(req.base, req.agents, output, method=req.method, params=req.params, dtype=req.dtype,
                      allow_missing=allow_missing, count_tied_twice=count_tied_twice, force=force, resume=resume,
-                     **options)
+                     recipe=req.raw, **options)
     if json_out:
         doc = report.to_json()
         doc["warnings"] = [*req.warnings, *doc["warnings"]]

@@ -45,11 +45,10 @@ from .merge import (
     check_copies,
     local_statistics,
     new_run,
-    output_fingerprint,
     stages,
     statistics_only,
 )
-from .preflight import Preflight, preflight
+from .preflight import Preflight, output_fingerprint, preflight
 from .progress import Progress
 from .reproduce import Reproduce, reproduce
 from .route import Route, route
@@ -316,7 +315,7 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
                    block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
                    count_tied_twice=count_tied_twice, seed=seed, tokenizer_source=tokenizer_source,
-                   chat_template=chat_template, push_to_hub=push_to_hub, revision=revision)
+                   chat_template=chat_template, push_to_hub=push_to_hub, revision=revision, recipe=recipe)
     try:
         raise_all(pf.problems)
         assert pf.match is not None and pf.spec is not None and pf.base is not None

@@ -74,7 +74,7 @@ def dry_run(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
             resume: bool = False, available: int | None = None, device: str = "cpu", seed: Any = 0,
             tokenizer_source: str | None = None, chat_template: str | None = None, output_format: str = "hf",
             rank: Any = None, non_linear: str | None = None, push_to_hub: str | None = None,
-            revision: str | None = None, **_ignored: Any) -> DryRun:
+            revision: str | None = None, recipe: Mapping[str, Any] | None = None, **_ignored: Any) -> DryRun:
     """Check a merge without running it; ``available`` overrides the memory available (bytes).
 
     The checks are the merge's own (``preflight``): what this reports as a problem, a merge refuses. With
@@ -88,7 +88,7 @@ def dry_run(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
                    block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
                    count_tied_twice=count_tied_twice, seed=seed, available=available,
                    tokenizer_source=tokenizer_source, chat_template=chat_template, output_format=output_format,
-                   rank=rank, non_linear=non_linear, push_to_hub=push_to_hub, revision=revision)
+                   rank=rank, non_linear=non_linear, push_to_hub=push_to_hub, revision=revision, recipe=recipe)
     try:
         report = DryRun(method, problems=pf.problems, memory=pf.memory, available_memory=pf.available,
                         tokenizer=pf.tokenizer, output_format=output_format,

@@ -13,22 +13,22 @@ from typing import Any, Protocol
 from ..errors import InputError, RLMergeError, raise_all
 from ..io.checkpoint import SIDE_FILES, Checkpoint
 from ..io.hub import push
-from ..io.partial import PartialDir, fingerprint, input_identity
+from ..io.partial import PartialDir, input_identity
 from ..io.tokenizer import GENERATION, TEMPLATE_FILES, TOKENIZER_FILES
-from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter, layout_shards, shard_header
+from ..io.writer import DEFAULT_SHARD_SIZE, CheckpointWriter
 from ..methods import MethodSpec, Rows, Run, Runner, inspected
 from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdown
 from ..report.card import adapter_lines, model_card
 from ..report.provenance import provenance
 from ..stats import Statistics
-from ..stream.blocks import DEFAULT_BLOCK, device_type, spans
+from ..stream.blocks import DEFAULT_BLOCK, spans
 from ..stream.match import Match
 from . import survival
 from .adapter import AdapterOptions, AdapterWriter, adapter_writer
 from .backends import TorchBackend, closing, make_backends
 from .cached import StatisticsCache, StatisticsView
 from .passes import merge_pass, statistics_pass
-from .preflight import preflight
+from .preflight import output_fingerprint, preflight
 from .progress import Progress
 from .reproduce import Reproduce, reproduce
 from .route import Route, route
@@ -96,7 +96,7 @@ def merge(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]]
                    block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
                    count_tied_twice=count_tied_twice, seed=seed, tokenizer_source=tokenizer_source,
                    chat_template=chat_template, output_format=output_format, rank=rank, non_linear=non_linear,
-                   push_to_hub=push_to_hub, revision=revision)
+                   push_to_hub=push_to_hub, revision=revision, recipe=recipe)
     adapter = pf.adapter
     try:
         raise_all(pf.problems)
@@ -145,23 +145,6 @@ def _run(match: Match, spec: MethodSpec, p: Any, partial: PartialDir, *, shard_b
     return execute(match, spec, p, writer, output=partial.output, block_size=block_size, device=device, seed=seed,
                    quiet=quiet, recipe=recipe, extras=extras, cache=cache, at=at, schedule=schedule,
                    defaults=defaults, notes=notes, again=again)
-
-
-def output_fingerprint(match: Match, spec: MethodSpec, p: Any, *, seed: int, recipe: Mapping[str, Any] | None,
-                       device: str, shard_bytes: int, extras: Sequence[Checkpoint],
-                       schedule: Mapping[str, Any] | None = None) -> tuple[dict[str, str], str]:
-    """(the shards' metadata, the fingerprint of everything that decides the output bytes: what --resume checks).
-    ``schedule``: a recipe's per-tensor parameters (gradients, filters), part of what decides the bytes."""
-    metadata = {"rlmerge_method": spec.name}
-    params_key = repr(p) + (repr(sorted((k, str(v)) for k, v in schedule.items())) if schedule else "")
-    decides = {
-        "method": spec.name, "params": params_key, "seed": seed, "recipe": recipe, "metadata": metadata,
-        "device": device_type(device),  # float results may differ between CPU and GPU kernels
-        "headers": [shard_header(s, metadata).hex() for s in layout_shards(match.jobs, shard_bytes)]}
-    if match.tokenizer is not None and match.tokenizer.key:  # where each vocabulary row comes from
-        decides["vocabulary"] = match.tokenizer.key
-    fp = fingerprint([match.base, *match.agents, *extras], decides)
-    return metadata, fp
 
 
 def execute(match: Match, spec: MethodSpec, p: Any, make_writer: Callable[[bool], Any], *, output: Path,

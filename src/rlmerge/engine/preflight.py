@@ -21,11 +21,11 @@ from ..io.checkpoint import Checkpoint
 from ..io.dtypes import BF16, F16, F32, DType, by_name
 from ..io.hub import push_problems
 from ..io.open import open_one
-from ..io.partial import output_problems
+from ..io.partial import fingerprint, input_identity, output_problems, resume_problems
 from ..io.remote_code import code_files
 from ..io.tokenizer_plan import TokenizerPlan, plan_tokenizer
 from ..io.vocab import VocabView
-from ..io.writer import parse_size
+from ..io.writer import layout_shards, parse_size, shard_header
 from ..methods import MethodSpec, get_method, validate
 from ..methods.spec import Parsed
 from ..schedule import layer_positions
@@ -115,14 +115,17 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
               allow_missing: bool = False, count_tied_twice: bool = False, seed: Any = 0,
               available: int | None = None, tokenizer_source: str | None = None,
               chat_template: str | None = None, output_format: str = "hf", rank: Any = None,
-              non_linear: str | None = None, push_to_hub: str | None = None, revision: str | None = None) -> Preflight:
+              non_linear: str | None = None, push_to_hub: str | None = None, revision: str | None = None,
+              recipe: Mapping[str, Any] | None = None) -> Preflight:
     """Check a merge from headers only; every problem is collected in ``Preflight.problems``.
 
     ``tokenizer_source`` / ``chat_template``: the output's tokenizer and chat template (io/tokenizer_plan.py); when
     the vocabulary rows move, the models are matched through ``io.vocab.VocabView``s of them. ``output_format``
     ``peft``: the merged tensors are computed into float32 for the adapter writer (engine/adapter.py), whose
     ``rank`` and ``non_linear`` are checked here (``Preflight.adapter``) and whose memory is budgeted with the
-    merge's. ``push_to_hub``: what would stop the upload is found now (io/hub.py), before any weight is read."""
+    merge's. ``push_to_hub``: what would stop the upload is found now (io/hub.py), before any weight is read.
+    ``resume``: an interrupted run kept beside ``output`` must have been made from these inputs, unchanged since,
+    and these settings (``recipe``, the recipe's own text, among them): its fingerprint is compared here."""
     pf = Preflight()
     problems = pf.problems
     for fn in (lambda: _method(pf, method, params), lambda: setattr(pf, "out_dtype", parse_dtype(dtype)),
@@ -156,8 +159,8 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
     opened = _open([base, *agents, *extra_specs], problems)
     pf.base, pf.agents, pf.extras = opened[0], opened[1:1 + len(agents)], opened[1 + len(agents):]
     problems += _same_folder_twice(pf.agents)
-    if output is not None:
-        problems += output_problems(output, pf.models, force=force, resume=resume)
+    placed = output_problems(output, pf.models, force=force, resume=resume) if output is not None else []
+    problems += placed
     if pf.spec is not None and pf.params is not None:
         problems += validate(pf.spec, pf.params, len(agents))
     if pf.base is None:
@@ -211,6 +214,8 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
                              extras=[x for x in pf.extras if x], agents=len(agents), at=pf.at)
         except RLMergeError as e:
             problems += flat(e)
+    if resume and output is not None and not placed and pf.route is not None and output_format == "hf":
+        problems += _resume_problems(pf, output, seed=seed, recipe=recipe, device=device)
     pf.memory = pf.route.memory if pf.route is not None else estimate_memory(
         pf.base, [*here, *(x for x in pf.extras if x)], block, n_agents=n_mem)
     adapter = pf.adapter
@@ -228,6 +233,34 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
     except RLMergeError as e:
         problems.append(e)
     return pf
+
+
+def output_fingerprint(match: Match, spec: MethodSpec, p: Any, *, seed: int, recipe: Mapping[str, Any] | None,
+                       device: str, shard_bytes: int, extras: Sequence[Checkpoint],
+                       schedule: Mapping[str, Any] | None = None) -> tuple[dict[str, str], str]:
+    """(the shards' metadata, the fingerprint of everything that decides the output bytes: what --resume checks).
+    ``schedule``: a recipe's per-tensor parameters (gradients, filters), part of what decides the bytes."""
+    metadata = {"rlmerge_method": spec.name}
+    params_key = repr(p) + (repr(sorted((k, str(v)) for k, v in schedule.items())) if schedule else "")
+    decides = {
+        "method": spec.name, "params": params_key, "seed": seed, "recipe": recipe, "metadata": metadata,
+        "device": device_type(device),  # float results may differ between CPU and GPU kernels
+        "headers": [shard_header(s, metadata).hex() for s in layout_shards(match.jobs, shard_bytes)]}
+    if match.tokenizer is not None and match.tokenizer.key:  # where each vocabulary row comes from
+        decides["vocabulary"] = match.tokenizer.key
+    fp = fingerprint([match.base, *match.agents, *extras], decides)
+    return metadata, fp
+
+
+def _resume_problems(pf: Preflight, output: str | os.PathLike[str], *, seed: Any, recipe: Mapping[str, Any] | None,
+                     device: str) -> list[RLMergeError]:
+    """What ``PartialDir.start`` would refuse to resume: the run's fingerprint and inputs, as the merge makes them."""
+    assert pf.match is not None and pf.spec is not None
+    extras = [x for x in pf.extras if x is not None]
+    _, fp = output_fingerprint(pf.match, pf.spec, pf.params, seed=seed, recipe=recipe, device=device,
+                               shard_bytes=pf.shard_bytes, extras=extras,
+                               schedule=pf.parsed.schedule if pf.parsed else {})
+    return resume_problems(output, fp, input_identity([pf.match.base, *pf.match.agents, *extras]))
 
 
 def _method(pf: Preflight, method: str, params: Mapping[str, Any] | None) -> None:

@@ -381,6 +381,30 @@ def _changed_input(old: Any, new: list[list[Any]]) -> str | None:
     return None
 
 
+def resume_problems(output: str | os.PathLike[str], fp: str, identity: list[list[Any]]) -> list[RLMergeError]:
+    """Why ``--resume`` cannot continue the interrupted run kept beside ``output`` with a run whose fingerprint is
+    ``fp`` (``fingerprint``) reading the inputs ``identity`` describes (``input_identity``); nothing when there is
+    no kept shard. ``PartialDir.start`` refuses on the same comparison, so ``plan --resume`` reports what
+    ``merge --resume`` would refuse."""
+    partial = partial_path(target(output))
+    old = _progress(partial)
+    refused = _refusal(old, partial, fp, identity) if old.get("shards") else None
+    return [refused] if refused is not None else []
+
+
+def _refusal(old: dict[str, Any], partial: Path, fp: str, identity: list[list[Any]]) -> OutputError | None:
+    """The refusal to resume the run ``old`` (its progress record) with other settings or changed inputs."""
+    if old.get("fingerprint") != fp:
+        return OutputError("the interrupted merge in the partial folder was made from other inputs or settings",
+                           file=str(partial), hint="resume with exactly the same command, or pass --force to start "
+                                                   "over")
+    changed = _changed_input(old.get("inputs"), identity)
+    if changed is not None:
+        return OutputError(f"cannot resume: {changed}", file=str(partial),
+                           hint="the kept shards were computed from the earlier bytes: pass --force to start over")
+    return None
+
+
 # -- the partial folder ------------------------------------------------------------------------------------
 @dataclass
 class _Seen:
@@ -503,15 +527,9 @@ class PartialDir:
         self._identity = identity or []
         old = self._read_progress() if self.resume else None
         if old is not None:
-            changed = _changed_input(old.get("inputs"), self._identity)
-            if old.get("fingerprint") != fp:
-                raise OutputError("the interrupted merge in the partial folder was made from other inputs or "
-                                  "settings", file=str(self.tmp),
-                                  hint="resume with exactly the same command, or pass --force to start over")
-            if changed is not None:
-                raise OutputError(f"cannot resume: {changed}", file=str(self.tmp),
-                                  hint="the kept shards were computed from the earlier bytes: pass --force to "
-                                       "start over")
+            refused = _refusal(old, self.tmp, fp, self._identity)
+            if refused is not None:
+                raise refused
             for i, rec in enumerate(old["shards"]):
                 if i >= len(filenames) or not isinstance(rec, dict) or rec.get("file") != filenames[i]:
                     break
