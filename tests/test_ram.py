@@ -90,6 +90,20 @@ def test_identical_agent_warns_and_gets_lambda_one(tmp_path: Path) -> None:
     assert any("identical to the base" in w for w in res.warnings)
 
 
+@pytest.mark.parametrize("preset", ["official", "arm-r"])
+def test_a_rescale_factor_below_one_counts_as_one_and_says_so(example, tmp_path: Path, preset: str) -> None:
+    """R < 1 was silently raised to 1 (the authors' script does): every λ 1, plain RAM, no word of it (QA pass,
+    2026-12-07). The λ stay the script's; a warning now says so. R ≥ 1 warns nothing."""
+    base, agents = example
+    low = rlmerge.merge(base, agents, tmp_path / "low", method="ram+",
+                        params={"preset": preset, "rescale_factor": 0.8})
+    assert low.lambdas == [1.0] * len(agents)
+    assert any("rescale_factor 0.8 is below 1" in w and "plain RAM" in w for w in low.warnings), low.warnings
+    one = rlmerge.merge(base, agents, tmp_path / "one", method="ram+", params={"preset": preset, "rescale_factor": 1})
+    assert one.lambdas == low.lambdas and not any("below 1" in w for w in one.warnings)
+    assert_same_tensors(load_output(tmp_path / "low"), load_output(tmp_path / "one"))
+
+
 def test_tied_weights_counted_once_or_twice(tmp_path: Path) -> None:
     from conftest import TINY
     from rlmerge.synthetic import make_example

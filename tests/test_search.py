@@ -85,8 +85,8 @@ def test_every_bad_value_is_refused_at_once_before_any_weight_is_read(example, t
         rlmerge.sweep(base, agents, tmp_path / "sw", candidates=["ram+ r=0.01..0.5"], scorer=scorer)
     with pytest.raises(ConfigError, match="--trials 3: a grid tries every candidate"):
         rlmerge.sweep(base, agents, tmp_path / "sw", candidates=["ram+ r=0.1"], scorer=scorer, trials=3)
-    for trials in (None, 0, 2.5):
-        with pytest.raises(ConfigError, match="--trials"):
+    for trials, said in ((None, "no --trials"), (0, "--trials 0"), (2.5, "--trials 2.5")):
+        with pytest.raises(ConfigError, match=f"{said}: a search runs a whole number"):
             rlmerge.sweep(base, agents, tmp_path / "sw", candidates=["ram+ r=0.01..0.5"], search="tpe",
                           trials=trials, scorer=scorer)
     with pytest.raises(ConfigError, match="at least two ranges"):  # CMA-ES adapts a covariance: ≥ 2 dimensions

@@ -151,7 +151,8 @@ def preflight(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[s
         given = [f"--{k.replace('_', '-')} {v}" for k, v in (("rank", rank), ("non_linear", non_linear))
                  if v is not None]
         if given:
-            problems.append(ConfigError(f"{' and '.join(given)} apply to --output-format peft (a LoRA adapter); "
+            verb = "apply" if len(given) > 1 else "applies"
+            problems.append(ConfigError(f"{' and '.join(given)} {verb} to --output-format peft (a LoRA adapter); "
                                         f"this merge writes --output-format {output_format}",
                                         hint="add --output-format peft, or leave out --rank and --non-linear"))
     if push_to_hub is not None:

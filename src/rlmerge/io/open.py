@@ -47,7 +47,7 @@ def resolve(spec: str | os.PathLike[str]) -> tuple[Path, str | None]:
         how = ("HF_HUB_OFFLINE is set and it is not in the local cache" if HF_HUB_OFFLINE
                else f"{type(e).__name__}: {e}")
         raise InputError(f"cannot fetch hub model {repo!r}{'@' + rev if rev else ''}: {how}", file=text,
-                         hint="download it first (huggingface-cli download) or pass a local folder") from e
+                         hint="download it first (hf download) or pass a local folder") from e
     return Path(local), rev or None
 
 

@@ -1,7 +1,7 @@
 """A model's own code (``auto_map``): the Python modules its config names, shipped with the output as bytes.
 
 transformers builds a model whose ``config.json`` (or a tokenizer whose ``tokenizer_config.json``) has an
-``auto_map`` from modules in its folder (``trust_remote_code=True``): ``{"AutoModelForCausalLM":
+``auto_map`` from modules in its folder, when its user allows the model's own code: ``{"AutoModelForCausalLM":
 "modeling_x.XForCausalLM"}`` is the class ``XForCausalLM`` of ``modeling_x.py``. A merge of such a model that left
 them out wrote a checkpoint that does not load. The modules named, and the modules they import relatively
 (``from .configuration_x import …``, found in their text as transformers' ``dynamic_module_utils`` finds them), are
@@ -47,7 +47,7 @@ def code_files(folder: Path, doc: Any, what: str, check: Callable[[Path], None])
         check(path)
         found[module] = path
         todo += _RELATIVE.findall(path.read_text(encoding="utf-8", errors="replace"))
-    warnings = [f"{what}'s auto_map needs {m}.py, which {folder} does not hold: the output will not load with "
-                "trust_remote_code (copy the module into the input folder, or give the class another way)"
+    warnings = [f"{what}'s auto_map needs {m}.py, which {folder} does not hold: the output will not load with the "
+                "model's own code (copy the module into the input folder, or give the class another way)"
                 for m in missing]
     return list(found.values()), warnings

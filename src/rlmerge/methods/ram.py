@@ -135,6 +135,9 @@ def prepare_ram_plus(params: RamPlusParams, stats: Statistics | None, n_agents: 
     if params.preset == "magnitude":  # ρ from the observer's exact Σ|τ| (methods/ram_beyond.py)
         rho = magnitude_rho(stats.observed)
         return Lambdas(tuple(paper_lambda(params.r, params.alpha, x) for x in rho), tuple(rho), tuple(warnings))
+    if params.preset in ("official", "arm-r") and params.rescale_factor is not None and params.rescale_factor < 1:
+        warnings.append(f"ram+ {params.preset}: rescale_factor {params.rescale_factor:g} is below 1, and R counts as 1 "
+                        "there (the authors' script raises it to 1): every λ is 1, plain RAM; give R ≥ 1 to rescale")
     lambdas = tuple(rescale_factor(params, int(s), int(u)) for s, u in zip(stats.shared, stats.unique))
     return Lambdas(lambdas, tuple(stats.rho), tuple(warnings))
 

@@ -56,7 +56,9 @@ def check(kind: str, spaces: Sequence[Space], trials: Any) -> list[RLMergeError]
     """What a search of ``kind`` cannot do with these spaces and this number of trials (every problem)."""
     problems: list[RLMergeError] = []
     if type(trials) is not int or trials < 1:
-        problems.append(ConfigError(f"--trials {trials!r}: a search runs a whole number ≥ 1 of trials"))
+        given = "no --trials" if trials is None else f"--trials {trials!r}"
+        problems.append(ConfigError(f"{given}: a search runs a whole number ≥ 1 of trials",
+                                    hint="e.g. --trials 20 (or --search grid to try every candidate)"))
     if kind == "cmaes":
         try:
             import cmaes  # noqa: F401 - Optuna's CmaEsSampler imports it only when it first samples
