@@ -470,6 +470,38 @@ def test_inspect_save(world: World, case: str, setup, plain: str, forced: str, f
     assert json.loads(out.read_text())["schema"]
 
 
+@pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
+@pytest.mark.parametrize("save", ["figs/report.json", "figs", "figs/sub/report.json", ".figs.rlmerge-partial/r.json"])
+def test_inspect_save_inside_plots_is_refused_first(world: World, save: str, force: bool, monkeypatch,
+                                                     capsys) -> None:
+    """--save at or under the --plots folder: refused before any weight is read, nothing written; one beside it
+    works. (It used to write the report, then fail on the plots folder and leave the report there.)"""
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(world.root)
+    def args(report: str) -> list[str]:
+        return ["inspect", str(world.base), *map(str, world.agents), "-q", "--plots", "figs", "--save", report,
+                *(["--force"] if force else [])]
+
+    before = tree(world.root)
+    with no_weight_reads():
+        code = main(args(save))
+    err = capsys.readouterr().err
+    assert code == 4, err
+    assert "--plots" in err and "put the report outside the plots folder" in err, err
+    assert tree(world.root) == before
+    assert main(args("report.json")) == 0
+    assert (world.root / "report.json").is_file() and (world.root / "figs" / "rlmerge.json").is_file()
+
+
+def test_plots_refusal_names_plots(world: World, monkeypatch, capsys) -> None:
+    """A refused --plots folder's hint names --plots, not merge's -o."""
+    monkeypatch.chdir(world.root)
+    with no_weight_reads():
+        code = main(_plots(world, world.root / "user", False))
+    err = capsys.readouterr().err
+    assert code == 4 and "choose another --plots" in err and "another -o" not in err, err
+
+
 def test_demo_replaces_only_its_own_example_and_merge(tmp_path: Path, capsys) -> None:
     """`rlmerge demo` twice works (it replaces what it wrote); into a folder holding a user's model, refused."""
     work = tmp_path / "work"

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._torch import torch
-from ..errors import ConfigError, RLMergeError, raise_all
+from ..errors import ConfigError, OutputError, RLMergeError, raise_all
 from ..io.open import open_all
-from ..io.partial import output_problems, write_file
+from ..io.partial import output_problems, partial_path, target, write_file
 from ..methods import BlockContext, Observer, Run, inspected
 from ..report import Report, build_report, dtype_facts
 from ..stats import Magnitudes, Statistics
@@ -56,6 +56,18 @@ def _check(epsilon: float, thresholds: Sequence[float], block_size: Any, device:
     return tuple(sorted({float(t) for t in thresholds}))
 
 
+def _nested(save: str | os.PathLike[str], plots: str | os.PathLike[str]) -> list[RLMergeError]:
+    """``save`` at or inside the ``plots`` folder (or its partial folder): the report would be written first and
+    then either block the figures or be taken for a foreign file in the folder, so refuse it before the pass."""
+    file, folder = target(save), target(plots)
+    for where, what in ((folder, f"the --plots folder {plots}"), (partial_path(folder), "the --plots partial folder")):
+        if file == where or where in file.parents:
+            how = "is" if file == where else "lies inside"
+            return [OutputError(f"--save {save} {how} {what}", file=str(file),
+                                hint="put the report outside the plots folder (e.g. beside it)")]
+    return []
+
+
 def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str]], *, epsilon: float = 1e-5,
             thresholds: Sequence[float] = DEFAULT_THRESHOLDS, block_size: int = DEFAULT_BLOCK,
             device: str = "cpu", allow_missing: bool = False, count_tied_twice: bool = False,
@@ -74,7 +86,8 @@ def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
     try:
         problems = output_problems(save, models, force=force, kind="file") if save is not None else []
         if plots is not None:
-            problems += output_problems(plots, models, force=force)
+            problems += output_problems(plots, models, force=force, option="--plots")
+            problems += _nested(save, plots) if save is not None else []
         raise_all(problems)
         match = match_models(models[0], models[1:], allow_missing=allow_missing, count_tied_twice=count_tied_twice)
         mags = Magnitudes(len(match.agents))

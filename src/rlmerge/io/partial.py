@@ -205,7 +205,7 @@ def _overlap(path: Path, roots: list[tuple[str, Path]], what: str) -> list[RLMer
     return []
 
 
-def _partial_problems(partial: Path, *, force: bool, resume: bool) -> list[RLMergeError]:
+def _partial_problems(partial: Path, *, force: bool, resume: bool, option: str = "-o") -> list[RLMergeError]:
     """A partial folder left on disk must be a real folder of this user's holding only rlmerge's files."""
     if not os.path.lexists(partial):
         return []
@@ -218,7 +218,7 @@ def _partial_problems(partial: Path, *, force: bool, resume: bool) -> list[RLMer
     st = partial.stat()
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
         return [OutputError(f"{partial} belongs to another user", file=str(partial),
-                            hint="it is not this user's interrupted run: choose another -o")]
+                            hint=f"it is not this user's interrupted run: choose another {option}")]
     with os.scandir(partial) as it:
         foreign = sorted(e.name for e in it if not is_our_name(e.name) or e.is_symlink()
                          or not e.is_file(follow_symlinks=False))
@@ -227,7 +227,7 @@ def _partial_problems(partial: Path, *, force: bool, resume: bool) -> list[RLMer
                             file=str(partial), hint="it is not an interrupted rlmerge run: move it away, then rerun")]
     if _locked(partial / LOCK):
         return [OutputError("another rlmerge run is writing this output right now", file=str(partial),
-                            hint="wait for it to finish, or choose another -o")]
+                            hint=f"wait for it to finish, or choose another {option}")]
     n = len(_progress(partial).get("shards", []))
     if n and not (resume or force):
         return [OutputError(f"an interrupted merge left {n} completed shard(s) in {partial}", file=str(partial),
@@ -266,11 +266,13 @@ def _progress(folder: Path) -> dict[str, Any]:
 
 
 def output_problems(output: str | os.PathLike[str], inputs: Sequence[Checkpoint | Path], *, force: bool = False,
-                    resume: bool = False, kind: str = "folder", checksums: bool = True) -> list[RLMergeError]:
+                    resume: bool = False, kind: str = "folder", checksums: bool = True,
+                    option: str = "-o") -> list[RLMergeError]:
     """Every reason not to write ``output`` (a folder, or with ``kind="file"`` one file), before any work.
 
     ``inputs`` are the opened checkpoints (their folders) and any other input paths (a data file).
     ``checksums=False`` proves an earlier output rlmerge's by its files' names and sizes only (a re-check).
+    ``option``: the command-line option that named the folder, for the hints ("choose another --plots").
     """
     out = target(output)
     if not out.name or out == Path(out.anchor):
@@ -284,18 +286,18 @@ def output_problems(output: str | os.PathLike[str], inputs: Sequence[Checkpoint 
     if problems:
         return problems
     if os.path.lexists(out):
-        problems += _existing(out, force=force, kind=kind, checksums=checksums)
+        problems += _existing(out, force=force, kind=kind, checksums=checksums, option=option)
     if kind == "folder":
         partial = partial_path(out)
-        problems += _overlap(partial, roots, "the partial folder") or _partial_problems(partial, force=force,
-                                                                                      resume=resume)
+        problems += _overlap(partial, roots, "the partial folder") or _partial_problems(
+            partial, force=force, resume=resume, option=option)
     if parent is not None and not os.access(parent, os.W_OK):
         problems.append(OutputError("the output's folder is not writable", file=str(parent),
                                     hint="choose a writable output folder"))
     return problems
 
 
-def _existing(out: Path, *, force: bool, kind: str, checksums: bool) -> list[RLMergeError]:
+def _existing(out: Path, *, force: bool, kind: str, checksums: bool, option: str = "-o") -> list[RLMergeError]:
     if out.is_symlink():
         return [OutputError(f"the output is a symbolic link (to {os.readlink(out)})", file=str(out),
                             hint="rlmerge never writes through a link it did not create: remove the link, or "
@@ -313,14 +315,15 @@ def _existing(out: Path, *, force: bool, kind: str, checksums: bool) -> list[RLM
         return []
     if not out.is_dir():
         return [OutputError("the output exists and is a file, not a folder", file=str(out),
-                            hint="choose another -o; rlmerge replaces only a folder it wrote")]
+                            hint=f"choose another {option}; rlmerge replaces only a folder it wrote")]
     if not force:
         return [OutputError("output folder already exists", file=str(out),
-                            hint="choose another -o, or pass --force to replace a folder rlmerge wrote")]
+                            hint=f"choose another {option}, or pass --force to replace a folder rlmerge wrote")]
     why = not_ours(out, checksums=checksums)
     if why is not None:
         return [OutputError(f"--force replaces only a folder rlmerge wrote, and this one {why}", file=str(out),
-                            hint="move it away or choose another -o; rlmerge never deletes what it did not write")]
+                            hint=f"move it away or choose another {option}; rlmerge never deletes what it did "
+                                 "not write")]
     return []
 
 
