@@ -502,6 +502,27 @@ def test_plots_refusal_names_plots(world: World, monkeypatch, capsys) -> None:
     assert code == 4 and "choose another --plots" in err and "another -o" not in err, err
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+@pytest.mark.parametrize("force", [False, True], ids=["new", "replaced"])
+def test_saved_report_mode_follows_umask(tmp_path: Path, umask: int, force: bool) -> None:
+    """write_file's report gets the mode a plain open() gives under the same umask (mkstemp made it 0600)."""
+    from rlmerge.io.partial import write_file
+
+    data = json.dumps({"schema": "rlmerge.report"}).encode()
+    old = os.umask(umask)
+    try:
+        with open(tmp_path / "plain.json", "wb") as fh:
+            fh.write(data)
+        if force:
+            write_file(tmp_path / "report.json", data)
+        write_file(tmp_path / "report.json", data, force=force)
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "report.json").stat().st_mode & 0o777
+    assert mode == (tmp_path / "plain.json").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain.json", "report.json"]  # no temporary file left
+
+
 def test_demo_replaces_only_its_own_example_and_merge(tmp_path: Path, capsys) -> None:
     """`rlmerge demo` twice works (it replaces what it wrote); into a folder holding a user's model, refused."""
     work = tmp_path / "work"

@@ -705,7 +705,7 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, force: bool = False
     existed = os.path.lexists(out)  # then it is a report rlmerge wrote, and --force was given
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.rlmerge-", dir=out.parent)
+        fd, tmp = _new_temp_file(out)
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
@@ -722,6 +722,23 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, force: bool = False
     except OSError as e:
         raise disk_error(e, out) from e
     return out
+
+
+def _new_temp_file(out: Path) -> tuple[int, str]:
+    """A new hidden file beside ``out`` (O_EXCL | O_NOFOLLOW), open for writing: its descriptor and path.
+
+    Created with mode 0o666, so that the kernel applies the umask (and a default ACL) exactly as it does to a
+    file that ``open()`` creates; mkstemp's 0o600 would make the report private where every other output is not.
+    Reading the umask instead is racy (``os.umask`` sets it, process-wide, to read it).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = str(out.parent / f".{out.name}.rlmerge-{os.urandom(6).hex()}")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(out.parent))
 
 
 def disk_error(e: OSError, path: Path) -> OutputError:
