@@ -200,3 +200,27 @@ def test_dtype_mismatch_and_identical_agent(example, tmp_path: Path) -> None:
     doc = rlmerge.inspect(base, [half]).doc
     warned = [w for w in doc["warnings"] if "stores" in w]
     assert len(warned) == 1 and "stores F16 against a BF16 base" in warned[0]
+
+
+def test_count_tied_twice_weighs_only_rho(planted) -> None:
+    """--count-tied-twice doubles the tied embedding's counts in ρ and λ only: the rows still add up (modules and
+    layers to the whole, unique + shared = changed, unique share ≤ 1), and every count but ρ's stays the same."""
+    base, agents, weights, classes, once = planted
+    twice = rlmerge.inspect(base, agents, epsilon=EPS, thresholds=THRESHOLDS, block_size=1000, count_tied_twice=True)
+    tied = "model.embed_tokens.weight"
+    assert tied in weights and "lm_head.weight" not in weights  # TINY ties lm_head to the embedding
+    for doc in (once.doc, twice.doc):
+        assert sum(g["elements"] for g in doc["modules"]) == doc["elements"]
+        for t, row in enumerate(doc["per_agent"]):
+            assert sum(g["changed"][t] for g in doc["modules"]) == row["changed"]
+            assert row["unique"] + row["shared"] == row["changed"] == sum(row["kofn"])
+            assert row["unique_share"] == row["unique"] / row["changed"] <= 1
+    for key in ("elements", "modules", "layers", "pairwise"):
+        assert twice.doc[key] == once.doc[key], key
+    emb = _truth(classes, [tied])["kofn"]
+    for t, (a, b) in enumerate(zip(once.doc["per_agent"], twice.doc["per_agent"])):
+        assert {k: v for k, v in a.items() if k not in ("rho", "ram_plus", "ram_plus_tensor_local")} == {
+            k: v for k, v in b.items() if k not in ("rho", "ram_plus", "ram_plus_tensor_local")}
+        shared, unique = b["shared"] + int(emb[t, 2:].sum()), b["unique"] + int(emb[t, 1])
+        assert b["rho"] == shared / unique != a["rho"]  # the authors' double count: the embedding's counts twice
+        assert b["ram_plus"]["paper"] == lam("paper", shared, unique)

@@ -124,7 +124,9 @@ def _per_agent(stats: Statistics, facts: DtypeFacts | None, thresholds: list[flo
                methods: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     numel, n = stats.numel, stats.n_agents
     kofn = stats.kofn if stats.tensors else np.zeros((n, n + 1), dtype=np.int64)
-    changed, unique, shared = stats.changed, stats.unique, stats.shared
+    # Each stored element once, so that unique + shared = changed; only ρ (and the methods' λ) count a tied
+    # tensor twice under count_tied_twice (stats.unique / stats.shared), as the merge does.
+    changed, unique, shared = kofn.sum(axis=1), kofn[:, 1], kofn[:, 2:].sum(axis=1)
     norms, rho = stats.norms, stats.rho
     extra = stats.thresholds and stats.tensors
     above = stats._sum("above") if extra else None
@@ -167,15 +169,16 @@ def _pairwise(stats: Statistics) -> dict[str, Any]:
 
 
 def _groups(stats: Statistics, key: Any, field: str) -> list[dict[str, Any]]:
-    """Sum per-tensor counts by ``key(name)`` (None: not in any group); density per agent per group."""
+    """Sum per-tensor counts by ``key(name)`` (None: not in any group); density per agent per group. Each stored
+    element once (also under count_tied_twice, which weighs only ρ's counts): the groups add up to the whole."""
     acc: dict[Any, list[Any]] = {}
     for name, ts in stats.tensors.items():
         k = key(name)
         if k is None:
             continue
         numel, changed = acc.setdefault(k, [0, np.zeros(stats.n_agents, dtype=np.int64)])
-        acc[k][0] = numel + ts.numel * ts.weight
-        acc[k][1] = changed + ts.changed * ts.weight
+        acc[k][0] = numel + ts.numel
+        acc[k][1] = changed + ts.changed
     order = sorted(acc) if field == "layer" else [m for m, _ in MODULES if m in acc] + [
         m for m in ("norm", "other") if m in acc]
     return [{field: k, "elements": acc[k][0], "changed": [int(c) for c in acc[k][1]],
