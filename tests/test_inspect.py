@@ -99,9 +99,11 @@ def test_counts_are_exact(planted) -> None:
     n = len(classes)
     for a in range(n):
         for b in range(n):
+            assert pw["overlap"][a][b] == want["overlap"][a, b]  # the diagonal too: changed by a (and by a)
             if a != b:
-                assert pw["overlap"][a][b] == want["overlap"][a, b]
                 assert pw["sign_agreement"][a][b] == want["agree"][a, b] / want["overlap"][a, b]
+        assert pw["overlap"][a][a] == doc["per_agent"][a]["changed"]
+        assert pw["jaccard"][a][a] == pw["sign_agreement"][a][a] == 1.0
 
 
 def test_tensor_local_lambda(planted) -> None:

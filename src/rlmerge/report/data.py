@@ -160,6 +160,10 @@ def _pairwise(stats: Statistics) -> dict[str, Any]:
     overlap = stats._sum("overlap").reshape(n, n) if stats.tensors else np.zeros((n, n), dtype=np.int64)
     agree = stats._sum("sign_agree").reshape(n, n) if stats.tensors else np.zeros((n, n), dtype=np.int64)
     changed = stats.changed
+    # The per-tensor counters keep the diagonal at 0 (the torch and fused-kernel paths agree bit for bit, and the
+    # sweep cache stores them); in the report an agent overlaps itself on all it changed, as jaccard's 1.0 says.
+    overlap = overlap.copy()
+    np.fill_diagonal(overlap, changed)
     jaccard = [[_ratio(int(overlap[a, b]), int(changed[a] + changed[b] - overlap[a, b])) if a != b else 1.0
                 for b in range(n)] for a in range(n)]
     sign = [[_ratio(int(agree[a, b]), int(overlap[a, b])) if a != b else 1.0 for b in range(n)] for a in range(n)]
