@@ -8,14 +8,17 @@ the output ties it only when the base and every agent tie it; otherwise it is wr
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import rlmerge
-from conftest import TINY, load_output
+from conftest import TINY, assert_same_tensors, load_output
 from reference import ram_tensor
+from rlmerge.io.checkpoint import Checkpoint
 from rlmerge.synthetic import Shape, config, make_example, write_checkpoint
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -94,3 +97,98 @@ def test_every_model_tied_gives_a_tied_output(example, tmp_path: Path) -> None:
     assert HEAD not in load_output(tmp_path / "out")
     model = _generates(tmp_path / "out")
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def _store_head(model: Path, out: Path, layout: str, *, scale: float = 1.0) -> Path:
+    """``model`` (a tied one) stored with its lm_head too, its config still tied: ``bin`` as
+    ``torch.save(model.state_dict())`` writes it (both keys, one storage), ``clone`` as a safetensors file with a
+    cloned head (``scale`` ≠ 1: a head that differs from the embedding)."""
+    shutil.copytree(model, out)
+    state = load_output(model)
+    (out / "model.safetensors").unlink()
+    if layout == "bin":
+        state[HEAD] = state[EMBED]
+        torch.save(state, out / "pytorch_model.bin")
+    else:
+        state[HEAD] = (state[EMBED].float() * scale).to(state[EMBED].dtype)
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    return out
+
+
+def _figures(doc: dict, models: list[Path]) -> dict:
+    """An inspect report without its warnings, each model's path replaced by its place."""
+    text = json.dumps({k: v for k, v in doc.items() if k != "warnings"})
+    for i, m in enumerate(models):
+        text = text.replace(json.dumps(str(m))[1:-1], f"<model {i}>")
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("layout", ["bin", "clone"])
+@pytest.mark.parametrize("who", ["base", "all"])
+def test_a_tied_base_that_also_stores_its_head_is_tied(example, tmp_path: Path, layout: str, who: str) -> None:
+    """A tied base whose file also holds lm_head (the same bytes as the embedding) is the same model as without it:
+    the copy is dropped and said, as an agent's is; statistics, merge and the output's tie equal the originals'."""
+    base, agents = example
+    b2 = _store_head(base, tmp_path / "stored" / base.name, layout)
+    a2 = [_store_head(a, tmp_path / "stored" / a.name, layout) for a in agents] if who == "all" else agents
+    want = rlmerge.inspect(base, agents).doc
+    got = rlmerge.inspect(b2, a2).doc
+    assert got["elements"] == want["elements"] and got["tensors"] == want["tensors"]
+    assert _figures(got, [b2, *a2]) == _figures(want, [base, *agents])
+    assert any(w.startswith(f"the base {b2} stores lm_head.weight") and "dropped" in w for w in got["warnings"])
+    res = rlmerge.merge(b2, a2, tmp_path / "out", method="ram+")
+    rlmerge.merge(base, agents, tmp_path / "ref", method="ram+")
+    assert HEAD not in load_output(tmp_path / "out")
+    assert_same_tensors(load_output(tmp_path / "out"), load_output(tmp_path / "ref"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
+    assert json.loads((tmp_path / "out" / "rlmerge.json").read_text())["tied_tensors"] == [EMBED]
+    assert not any("tie_word_embeddings: false" in w for w in res.warnings)
+
+
+def test_agents_that_store_their_tied_head_as_bin_are_as_before(example, tmp_path: Path) -> None:
+    """Only the agents store the copy (``torch.save`` layout): dropped, and the merge equals the originals'."""
+    base, agents = example
+    a2 = [_store_head(a, tmp_path / f"a{i}", "bin") for i, a in enumerate(agents)]
+    res = rlmerge.merge(base, a2, tmp_path / "out", method="ram+")
+    rlmerge.merge(base, agents, tmp_path / "ref", method="ram+")
+    assert_same_tensors(load_output(tmp_path / "out"), load_output(tmp_path / "ref"))
+    assert sum("redundant copy is dropped" in w for w in res.warnings) == 3
+    assert not any(w.startswith("the base") for w in res.warnings)
+
+
+def test_a_tied_base_whose_stored_head_differs_keeps_it(example, tmp_path: Path) -> None:
+    """A head that differs from the embedding under a tied config is a head of its own, as transformers loads it
+    (it ties only equal ones): merged as one, the output untied; the same as the base saved untied."""
+    base, agents = example
+    b2 = _store_head(base, tmp_path / "b2", "clone", scale=2.0)
+    model = _generates(b2)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()  # transformers' reading
+    untied = tmp_path / "untied"
+    shutil.copytree(b2, untied)
+    cfg = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    res = rlmerge.merge(b2, agents, tmp_path / "out", method="ram")
+    rlmerge.merge(untied, agents, tmp_path / "ref", method="ram")
+    assert HEAD in load_output(tmp_path / "out")
+    assert_same_tensors(load_output(tmp_path / "out"), load_output(tmp_path / "ref"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert any(w.startswith(f"the base {b2} stores an lm_head.weight that differs") for w in res.warnings)
+
+
+def test_same_bytes_reads_nothing_for_one_storage_and_finds_a_last_element(example, tmp_path: Path,
+                                                                           monkeypatch) -> None:
+    base, _ = example
+    shared = Checkpoint(_store_head(base, tmp_path / "bin", "bin"))
+    with monkeypatch.context() as m:
+        m.setattr(Checkpoint, "read_into", lambda *a, **k: pytest.fail("read a storage it shares"))
+        assert shared.same_bytes(HEAD, EMBED)
+    state = load_output(base)
+    state[HEAD] = state[EMBED].clone()
+    state[HEAD].view(-1)[-1] += 1
+    folder = tmp_path / "last"
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = Checkpoint(folder)
+    assert not ckpt.same_bytes(HEAD, EMBED, chunk=1000) and ckpt.same_bytes(EMBED, EMBED, chunk=1000)
+    assert not ckpt.same_bytes(HEAD, "model.norm.weight")  # another shape

@@ -345,6 +345,26 @@ class Checkpoint:
         """Read tensor ``name`` from the stored tensor ``stored`` (a tied checkpoint's lm_head is its embedding)."""
         self.tensors[name] = self.tensors[stored]
 
+    def same_bytes(self, a: str, b: str, *, chunk: int = 1 << 22) -> bool:
+        """Whether tensors ``a`` and ``b`` hold the same shape, dtype and bytes (a tied model's lm_head stored beside
+        its embedding). Two ``.bin`` tensors over one storage are, without a read (``torch.save`` of a tied
+        model's state dict); others are compared ``chunk`` bytes at a time, so memory stays bounded."""
+        ia, ib = self.tensors[a], self.tensors[b]
+        if ia.shape != ib.shape or ia.dtype != ib.dtype:
+            return False
+        ta, tb = (self._bin.get(i.file, {}).get(i.name) for i in (ia, ib))
+        if ta is not None and tb is not None and _one_view(ta, tb):
+            return True
+        step = max(1, chunk // ia.dtype.itemsize)
+        bufs = memoryview(bytearray(step * ia.dtype.itemsize)), memoryview(bytearray(step * ia.dtype.itemsize))
+        for start in range(0, ia.numel, step):
+            stop = min(start + step, ia.numel)
+            x, y = (torch.frombuffer(self.read_into(n, start, stop, buf), dtype=torch.uint8)
+                    for n, buf in zip((a, b), bufs))
+            if not torch.equal(x, y):
+                return False
+        return True
+
     @property
     def files(self) -> list[Path]:
         return list(dict.fromkeys(t.file for t in self.tensors.values()))
@@ -441,6 +461,12 @@ def dense_dtype(f: Path, name: str, t: torch.Tensor, *, hint: str = _DENSE) -> D
         except ValueError:
             why = f"a {str(t.dtype).removeprefix('torch.')} tensor, a dtype rlmerge does not read"
     raise InputError(f"{why}", file=str(f), tensor=name, hint=hint)
+
+
+def _one_view(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """The same elements of the same storage (``torch.load`` keeps a saved tie as one storage)."""
+    return (x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() and x.dtype == y.dtype
+            and x.storage_offset() == y.storage_offset() and x.shape == y.shape and x.stride() == y.stride())
 
 
 def _allowed_roots(folder: Path) -> list[Path]:

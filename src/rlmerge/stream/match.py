@@ -1,4 +1,5 @@
-"""Match base and agents from headers only: one job per stored base tensor, every problem at once."""
+"""Match base and agents from headers (and, for a tied base that also stores its lm_head, that head's bytes):
+one job per stored base tensor, every problem at once."""
 
 from __future__ import annotations
 
@@ -115,6 +116,25 @@ def _own_head(ckpt: Checkpoint) -> bool:
     return LM_HEAD in ckpt.tensors and ckpt.config.get("tie_word_embeddings") is not True
 
 
+def _drop_copied_head(base: Checkpoint) -> None:
+    """A base whose config ties lm_head to the embeddings but that also stores ``lm_head.weight`` (``torch.save`` of
+    a tied model's state dict writes both keys over one storage; some tools save a cloned copy): a head equal to
+    the embedding, byte for byte, is that embedding, and its copy is dropped. A head that differs is a head of its
+    own, as transformers reads it (it ties only equal ones, and warns): kept, merged, and the output is untied."""
+    head, embed = base.tensors.get(LM_HEAD), _embedding(base)
+    if base.config.get("tie_word_embeddings") is not True or head is None or head.name != LM_HEAD or embed is None:
+        return  # untied or silent (its own head), or no head stored (tied, or an alias a match already made)
+    if base.same_bytes(LM_HEAD, embed):
+        del base.tensors[LM_HEAD]
+        base.notes.append(f"the base {base.label} stores lm_head.weight although its config ties it to the "
+                          f"embeddings: the copy equals {embed} and is dropped (the base is tied)")
+    else:
+        base.notes.append(f"the base {base.label} stores an lm_head.weight that differs from its embeddings although "
+                          "its config ties them: it is a head of its own, as transformers loads it (it does not tie "
+                          "a head that differs), so lm_head is merged and the output's config says "
+                          "tie_word_embeddings: false")
+
+
 def _tie_heads(base: Checkpoint, agents: list[Checkpoint], match: Match) -> list[RLMergeError]:
     """Tied and untied lm_heads, merged as each model uses them (docs/inputs.md, "Heads, tied and untied").
 
@@ -184,6 +204,7 @@ def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | N
                allow_missing: bool = False, count_tied_twice: bool = False, at_least: DType | None = None) -> Match:
     """Check every agent against the base and lay out the jobs; raise all problems together. A merged tensor is
     written in ``dtype``, else in the base's dtype widened to ``at_least`` where that is narrower."""
+    _drop_copied_head(base)  # before anything reads whether the base ties
     problems: list[RLMergeError] = bind_to_base(base, agents)  # LoRA agents take the base's tensors
     match = Match(base, agents, jobs=[], tied=tied_tensors(base))
     match.warnings += [note for m in (base, *agents) for note in m.notes]
