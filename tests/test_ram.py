@@ -127,6 +127,16 @@ def test_tied_weights_counted_once_or_twice(tmp_path: Path) -> None:
     assert "lm_head.weight" not in load_output(tmp_path / "once")
     prov = json.loads((tmp_path / "once" / "rlmerge.json").read_text())
     assert prov["tied_tensors"] == ["model.embed_tokens.weight"]
+    # rlmerge.json's and the card's per-agent rows count each stored element once either way (they add up to
+    # `changed`); only ρ and λ carry the double count
+    rows = [json.loads((tmp_path / d / "rlmerge.json").read_text())["agents"] for d in ("once", "twice")]
+    for r1, r2, s, u in zip(*rows, s1, u1):
+        assert r1["unique"] + r1["shared"] == r1["changed"] and (r1["shared"], r1["unique"]) == (s, u)
+        assert {k: v for k, v in r2.items() if k not in ("rho", "lambda")} == {
+            k: v for k, v in r1.items() if k not in ("rho", "lambda")}
+    assert [r["rho"] for r in rows[1]] == pytest.approx([s / u for s, u in zip(s2, u2)]) != [r["rho"] for r in rows[0]]
+    card = (tmp_path / "twice" / "README.md").read_text()
+    assert all(f"| {r['changed']} | {r['unique']} | {r['shared']} |" in card for r in rows[1]), card
 
 
 def test_unique_probe(example, tmp_path: Path) -> None:

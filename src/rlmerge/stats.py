@@ -199,6 +199,17 @@ class Statistics:
         return self._sum("unique", weighted=True)
 
     @property
+    def unique_once(self) -> np.ndarray:
+        """Changed by this agent only, each stored element once (a tied tensor too): with ``shared_once`` it adds
+        up to ``changed``. What tables show; ``unique``/``shared`` are ρ's counts (count_tied_twice weighs them)."""
+        return self.kofn[:, 1] if self.tensors else np.zeros(self.n_agents, dtype=np.int64)
+
+    @property
+    def shared_once(self) -> np.ndarray:
+        """Changed by this agent and at least one other, each stored element once (see ``unique_once``)."""
+        return self.kofn[:, 2:].sum(axis=1) if self.tensors else np.zeros(self.n_agents, dtype=np.int64)
+
+    @property
     def density(self) -> np.ndarray:
         return self.changed / max(self.numel, 1)
 

@@ -126,7 +126,7 @@ def _per_agent(stats: Statistics, facts: DtypeFacts | None, thresholds: list[flo
     kofn = stats.kofn if stats.tensors else np.zeros((n, n + 1), dtype=np.int64)
     # Each stored element once, so that unique + shared = changed; only ρ (and the methods' λ) count a tied
     # tensor twice under count_tied_twice (stats.unique / stats.shared), as the merge does.
-    changed, unique, shared = kofn.sum(axis=1), kofn[:, 1], kofn[:, 2:].sum(axis=1)
+    changed, unique, shared = kofn.sum(axis=1), stats.unique_once, stats.shared_once
     norms, rho = stats.norms, stats.rho
     extra = stats.thresholds and stats.tensors
     above = stats._sum("above") if extra else None

@@ -72,8 +72,10 @@ def agent_rows(result: Merged) -> list[dict[str, Any]]:
     for t, label in enumerate(stats.agents):
         row: dict[str, Any] = {"agent": label}
         if stats.tensors:
-            row.update(changed=int(stats.changed[t]), shared=int(stats.shared[t]), unique=int(stats.unique[t]),
-                       density=float(stats.changed[t]) / numel, rho=num(stats.rho[t]))
+            # each stored element once, as the report's rows: only ρ (and λ) count a tied tensor twice when asked
+            row.update(changed=int(stats.changed[t]), shared=int(stats.shared_once[t]),
+                       unique=int(stats.unique_once[t]), density=float(stats.changed[t]) / numel,
+                       rho=num(stats.rho[t]))
         if result.lambdas is not None:
             row["lambda"] = float(result.lambdas[t])
         if result.kept is not None:
