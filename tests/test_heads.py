@@ -143,7 +143,7 @@ def test_a_tied_base_that_also_stores_its_head_is_tied(example, tmp_path: Path, 
     assert_same_tensors(load_output(tmp_path / "out"), load_output(tmp_path / "ref"))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
     assert json.loads((tmp_path / "out" / "rlmerge.json").read_text())["tied_tensors"] == [EMBED]
-    assert not any("tie_word_embeddings: false" in w for w in res.warnings)
+    assert not any("tie_word_embeddings: false" in w or "only some agents have" in w for w in res.warnings)
 
 
 def test_agents_that_store_their_tied_head_as_bin_are_as_before(example, tmp_path: Path) -> None:
@@ -153,8 +153,36 @@ def test_agents_that_store_their_tied_head_as_bin_are_as_before(example, tmp_pat
     res = rlmerge.merge(base, a2, tmp_path / "out", method="ram+")
     rlmerge.merge(base, agents, tmp_path / "ref", method="ram+")
     assert_same_tensors(load_output(tmp_path / "out"), load_output(tmp_path / "ref"))
-    assert sum("redundant copy is dropped" in w for w in res.warnings) == 3
-    assert not any(w.startswith("the base") for w in res.warnings)
+    assert sum(w.startswith("the agent") and "is dropped (the agent is tied)" in w for w in res.warnings) == 3
+    assert not any(w.startswith("the base") or "only some agents have" in w for w in res.warnings)
+    prov = json.loads((tmp_path / "out" / "rlmerge.json").read_text())
+    assert prov["dropped_tensors"] == {HEAD: [str(a) for a in a2]}
+    from rlmerge.io.checkpoint import Checkpoint as C
+    from rlmerge.stream.match import match_models
+
+    models = [C(m) for m in (base, *a2)]
+    for _ in range(2):  # a checkpoint matched again (a sweep's candidates) says the same
+        again = match_models(models[0], models[1:])
+        assert again.dropped == {HEAD: [str(a) for a in a2]}
+        assert sum("is dropped (the agent is tied)" in w for w in again.warnings) == 3
+
+
+def test_an_agent_whose_stored_tied_head_differs_keeps_it(example, tmp_path: Path) -> None:
+    """An agent, like the base, whose tied config comes with a head that differs from its embedding has a head of
+    its own (as transformers loads it): lm_head is merged as a tensor, the tied base's embedding standing for its
+    head, and the merge equals the one with that agent saved untied."""
+    base, agents = example
+    a0 = _store_head(agents[0], tmp_path / "a0", "clone", scale=2.0)
+    untied = tmp_path / "untied"
+    shutil.copytree(a0, untied)
+    cfg = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    res = rlmerge.merge(base, [a0, *agents[1:]], tmp_path / "out", method="ram")
+    rlmerge.merge(base, [untied, *agents[1:]], tmp_path / "ref", method="ram")
+    assert HEAD in load_output(tmp_path / "out")
+    assert_same_tensors(load_output(tmp_path / "out"), load_output(tmp_path / "ref"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert sum(w.startswith(f"the agent {a0} stores an lm_head.weight that differs") for w in res.warnings) == 1
 
 
 def test_a_tied_base_whose_stored_head_differs_keeps_it(example, tmp_path: Path) -> None:
@@ -176,19 +204,43 @@ def test_a_tied_base_whose_stored_head_differs_keeps_it(example, tmp_path: Path)
     assert any(w.startswith(f"the base {b2} stores an lm_head.weight that differs") for w in res.warnings)
 
 
+def _last_element_differs(model: Path, folder: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """``model`` saved in ``folder`` with an lm_head that is its embedding but for the last element."""
+    state = load_output(model)
+    state[HEAD] = state[EMBED].clone()
+    state[HEAD].view(-1)[-1] += 1
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder, state
+
+
 def test_same_bytes_reads_nothing_for_one_storage_and_finds_a_last_element(example, tmp_path: Path,
                                                                            monkeypatch) -> None:
     base, _ = example
     shared = Checkpoint(_store_head(base, tmp_path / "bin", "bin"))
     with monkeypatch.context() as m:
-        m.setattr(Checkpoint, "read_into", lambda *a, **k: pytest.fail("read a storage it shares"))
+        for read in ("read_into", "read_raw"):
+            m.setattr(Checkpoint, read, lambda *a, **k: pytest.fail("read a storage it shares"))
         assert shared.same_bytes(HEAD, EMBED)
-    state = load_output(base)
-    state[HEAD] = state[EMBED].clone()
-    state[HEAD].view(-1)[-1] += 1
-    folder = tmp_path / "last"
-    folder.mkdir()
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    ckpt = Checkpoint(folder)
+    ckpt = Checkpoint(_last_element_differs(base, tmp_path / "last")[0])
     assert not ckpt.same_bytes(HEAD, EMBED, chunk=1000) and ckpt.same_bytes(EMBED, EMBED, chunk=1000)
     assert not ckpt.same_bytes(HEAD, "model.norm.weight")  # another shape
+
+
+def test_equal_bytes_compares_two_checkpoints_chunk_by_chunk(example, tmp_path: Path, monkeypatch) -> None:
+    """The one comparison behind the tied-head check and check_copies: a change in the last element of a later
+    chunk is found, a dtype of the same size is not equal, and no read is larger than the chunk."""
+    from rlmerge.io.checkpoint import equal_bytes
+
+    base, _ = example
+    folder, state = _last_element_differs(base, tmp_path / "other")
+    a, b = Checkpoint(base), Checkpoint(folder)
+    sizes: list[int] = []
+    real = Checkpoint.read_raw
+    monkeypatch.setattr(Checkpoint, "read_raw", lambda self, n, lo, hi: sizes.append(hi - lo) or real(self, n, lo, hi))
+    assert equal_bytes(a, EMBED, b, EMBED, chunk=1000) and not equal_bytes(a, EMBED, b, HEAD, chunk=1000)
+    itemsize = a.tensors[EMBED].dtype.itemsize
+    assert sizes and max(sizes) * itemsize <= 1000 and len(sizes) > 2
+    state["model.norm.weight"] = state["model.norm.weight"].view(torch.int16 if itemsize == 2 else torch.int32)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert not equal_bytes(a, "model.norm.weight", Checkpoint(folder), "model.norm.weight")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import InputError, RLMergeError, raise_all
-from ..io.checkpoint import SIDE_FILES, Checkpoint
+from ..io.checkpoint import SIDE_FILES, Checkpoint, equal_bytes
 from ..io.hub import push
 from ..io.partial import PartialDir, input_identity
 from ..io.tokenizer import GENERATION, TEMPLATE_FILES, TOKENIZER_FILES
@@ -21,7 +21,7 @@ from ..report import REPORT_FILE, build_report, dtype_facts, to_json, to_markdow
 from ..report.card import adapter_lines, model_card
 from ..report.provenance import provenance
 from ..stats import Statistics
-from ..stream.blocks import DEFAULT_BLOCK, spans
+from ..stream.blocks import DEFAULT_BLOCK
 from ..stream.match import Match
 from . import survival
 from .adapter import AdapterOptions, AdapterWriter, adapter_writer
@@ -353,10 +353,7 @@ def check_copies(match: Match) -> None:
             info = agent.tensors[job.name]
             if job.numel == 0 and info.is_float:  # an empty float tensor: no value of the agent's to lose
                 continue
-            step = max(1, (1 << 24) // max(job.info.dtype.itemsize, 1))
-            if info.dtype != job.info.dtype or any(
-                    bytes(match.base.read_raw(job.name, a, b)) != bytes(agent.read_raw(job.name, a, b))
-                    for a, b in spans(job.numel, step)):
+            if not equal_bytes(match.base, job.name, agent, job.name):
                 problems.append(InputError(f"the agent changed a {info.dtype.code} tensor, which rlmerge copies "
                                            "from the base instead of merging", file=str(info.file), tensor=job.name,
                                            hint="only float tensors are merged: restore this tensor to the "

@@ -348,22 +348,11 @@ class Checkpoint:
     def same_bytes(self, a: str, b: str, *, chunk: int = 1 << 22) -> bool:
         """Whether tensors ``a`` and ``b`` hold the same shape, dtype and bytes (a tied model's lm_head stored beside
         its embedding). Two ``.bin`` tensors over one storage are, without a read (``torch.save`` of a tied
-        model's state dict); others are compared ``chunk`` bytes at a time, so memory stays bounded."""
-        ia, ib = self.tensors[a], self.tensors[b]
-        if ia.shape != ib.shape or ia.dtype != ib.dtype:
-            return False
-        ta, tb = (self._bin.get(i.file, {}).get(i.name) for i in (ia, ib))
+        model's state dict); others are compared by ``equal_bytes``."""
+        ta, tb = (self._bin.get(i.file, {}).get(i.name) for i in (self.tensors[a], self.tensors[b]))
         if ta is not None and tb is not None and _one_view(ta, tb):
             return True
-        step = max(1, chunk // ia.dtype.itemsize)
-        bufs = memoryview(bytearray(step * ia.dtype.itemsize)), memoryview(bytearray(step * ia.dtype.itemsize))
-        for start in range(0, ia.numel, step):
-            stop = min(start + step, ia.numel)
-            x, y = (torch.frombuffer(self.read_into(n, start, stop, buf), dtype=torch.uint8)
-                    for n, buf in zip((a, b), bufs))
-            if not torch.equal(x, y):
-                return False
-        return True
+        return equal_bytes(self, a, self, b, chunk=chunk)
 
     @property
     def files(self) -> list[Path]:
@@ -461,6 +450,22 @@ def dense_dtype(f: Path, name: str, t: torch.Tensor, *, hint: str = _DENSE) -> D
         except ValueError:
             why = f"a {str(t.dtype).removeprefix('torch.')} tensor, a dtype rlmerge does not read"
     raise InputError(f"{why}", file=str(f), tensor=name, hint=hint)
+
+
+def equal_bytes(a: Checkpoint, name_a: str, b: Checkpoint, name_b: str, *, chunk: int = 1 << 22) -> bool:
+    """Whether tensor ``name_a`` of ``a`` and ``name_b`` of ``b`` (the same checkpoint or two) hold the same shape,
+    dtype and stored bytes, compared ``chunk`` bytes at a time so memory stays bounded; stops at the first chunk
+    that differs. Reads through ``read_raw``, which every input kind has (a LoRA adapter gives its base's bytes)."""
+    ia, ib = a.tensors[name_a], b.tensors[name_b]
+    if ia.shape != ib.shape or ia.dtype != ib.dtype:
+        return False
+    step = max(1, chunk // max(ia.dtype.itemsize, 1))
+    for start in range(0, ia.numel, step):
+        stop = min(start + step, ia.numel)
+        first = bytes(a.read_raw(name_a, start, stop))  # a copy: read_raw's view lasts until ``a``'s next read
+        if first != b.read_raw(name_b, start, stop):
+            return False
+    return True
 
 
 def _one_view(x: torch.Tensor, y: torch.Tensor) -> bool:

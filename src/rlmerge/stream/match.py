@@ -110,29 +110,36 @@ def _embedding(ckpt: Checkpoint) -> str | None:
 
 
 def _own_head(ckpt: Checkpoint) -> bool:
-    """Whether a checkpoint has an lm_head of its own: stored, and its config does not say it is tied (a stored
-    copy under ``tie_word_embeddings: true`` is redundant; saying nothing counts as untied, as transformers'
-    default differs between model classes and dropping a trained head would lose part of the model)."""
-    return LM_HEAD in ckpt.tensors and ckpt.config.get("tie_word_embeddings") is not True
+    """Whether a checkpoint has an lm_head of its own: stored (not the embedding standing in for it). Called after
+    ``_drop_copied_head``, which drops a stored copy equal to a tied model's embedding; a stored head that is left
+    is one transformers loads as a head (an untied config, a config saying nothing — its default differs between
+    model classes, and dropping a trained head would lose part of the model — or a tied one whose head differs)."""
+    head = ckpt.tensors.get(LM_HEAD)
+    return head is not None and head.name == LM_HEAD
 
 
-def _drop_copied_head(base: Checkpoint) -> None:
-    """A base whose config ties lm_head to the embeddings but that also stores ``lm_head.weight`` (``torch.save`` of
-    a tied model's state dict writes both keys over one storage; some tools save a cloned copy): a head equal to
-    the embedding, byte for byte, is that embedding, and its copy is dropped. A head that differs is a head of its
-    own, as transformers reads it (it ties only equal ones, and warns): kept, merged, and the output is untied."""
-    head, embed = base.tensors.get(LM_HEAD), _embedding(base)
-    if base.config.get("tie_word_embeddings") is not True or head is None or head.name != LM_HEAD or embed is None:
-        return  # untied or silent (its own head), or no head stored (tied, or an alias a match already made)
-    if base.same_bytes(LM_HEAD, embed):
-        del base.tensors[LM_HEAD]
-        base.notes.append(f"the base {base.label} stores lm_head.weight although its config ties it to the "
-                          f"embeddings: the copy equals {embed} and is dropped (the base is tied)")
-    else:
-        base.notes.append(f"the base {base.label} stores an lm_head.weight that differs from its embeddings although "
-                          "its config ties them: it is a head of its own, as transformers loads it (it does not tie "
-                          "a head that differs), so lm_head is merged and the output's config says "
-                          "tie_word_embeddings: false")
+def _drop_copied_head(ckpt: Checkpoint, role: str) -> bool:
+    """A model (``role``: "base" or "agent") whose config ties lm_head to the embeddings but that also stores
+    ``lm_head.weight`` (``torch.save`` of a tied model's state dict writes both keys over one storage; some tools
+    save a cloned copy): a head equal to the embedding, byte for byte, is that embedding, and its copy is dropped.
+    A head that differs is a head of its own, as transformers reads it (it ties only equal ones, and warns): kept,
+    merged, and the output is untied. Base and agents alike, so each is merged as transformers loads it. Returns
+    whether the copy is dropped (by this call, or by an earlier match of the same checkpoint)."""
+    head, embed = ckpt.tensors.get(LM_HEAD), _embedding(ckpt)
+    dropped = (f"the {role} {ckpt.label} stores lm_head.weight although its config ties it to the embeddings: the "
+               f"copy equals {embed} and is dropped (the {role} is tied)")
+    if ckpt.config.get("tie_word_embeddings") is not True or head is None or head.name != LM_HEAD or embed is None:
+        return dropped in ckpt.notes  # untied or silent (its own head), no head stored (tied), or dropped before
+    if ckpt.same_bytes(LM_HEAD, embed):
+        del ckpt.tensors[LM_HEAD]
+        ckpt.notes.append(dropped)
+        return True
+    note = (f"the {role} {ckpt.label} stores an lm_head.weight that differs from its embeddings although its config "
+            "ties them: it is a head of its own, as transformers loads it (it does not tie a head that differs), so "
+            "lm_head is merged and the output's config says tie_word_embeddings: false")
+    if note not in ckpt.notes:  # said once however often this checkpoint is matched
+        ckpt.notes.append(note)
+    return False
 
 
 def _tie_heads(base: Checkpoint, agents: list[Checkpoint], match: Match) -> list[RLMergeError]:
@@ -143,16 +150,12 @@ def _tie_heads(base: Checkpoint, agents: list[Checkpoint], match: Match) -> list
     lm_head or an agent has one of its own, lm_head is merged as a tensor of its own, written, and the config
     says ``tie_word_embeddings: false``. Decided from headers and configs alone, so ``plan`` sees the same layout.
     """
-    for a in agents:
-        if match.tied and LM_HEAD in a.tensors and not _own_head(a):
-            match.warnings.append(f"agent {a.label} stores lm_head.weight although its config ties it to the "
-                                  f"embeddings, like the base: the redundant copy is dropped")
     if LM_HEAD not in base.tensors and not any(_own_head(a) for a in agents):
         return []  # every model ties: the embedding serves as lm_head (match.tied)
     problems: list[RLMergeError] = []
     stand_ins = []
     for m in (base, *agents):
-        if LM_HEAD in m.tensors and (m is base or _own_head(m)):
+        if _own_head(m):
             continue  # its own lm_head
         embed = _embedding(m)
         if embed is None:
@@ -204,9 +207,12 @@ def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | N
                allow_missing: bool = False, count_tied_twice: bool = False, at_least: DType | None = None) -> Match:
     """Check every agent against the base and lay out the jobs; raise all problems together. A merged tensor is
     written in ``dtype``, else in the base's dtype widened to ``at_least`` where that is narrower."""
-    _drop_copied_head(base)  # before anything reads whether the base ties
+    _drop_copied_head(base, "base")  # before anything reads whether the base ties
     problems: list[RLMergeError] = bind_to_base(base, agents)  # LoRA agents take the base's tensors
+    copies = [a.label for a in agents if _drop_copied_head(a, "agent")]  # said by their notes; in dropped_tensors
     match = Match(base, agents, jobs=[], tied=tied_tensors(base))
+    if copies:
+        match.dropped[LM_HEAD] = copies
     match.warnings += [note for m in (base, *agents) for note in m.notes]
     if not agents:
         problems.append(InputError("no agents given", hint="pass at least one agent after the base"))
@@ -270,8 +276,9 @@ def match_models(base: Checkpoint, agents: list[Checkpoint], *, dtype: DType | N
                  if j.kind == "merge" and j.name in a.tensors and a.tensors[j.name].dtype != j.info.dtype}
         for theirs, ours in sorted(other, key=lambda d: (d[0].code, d[1].code)):
             match.warnings.append(_dtype_warning(a.label, theirs, ours))
-    if match.dropped:
-        match.warnings.append(f"{len(match.dropped)} tensor(s) only some agents have are dropped: "
-                             + ", ".join(sorted(match.dropped)[:5]) + (" …" if len(match.dropped) > 5 else ""))
+    odd = sorted(n for n in match.dropped if n != LM_HEAD or match.dropped[n] != copies)  # not tied copies
+    if odd:
+        match.warnings.append(f"{len(odd)} tensor(s) only some agents have are dropped: "
+                              + ", ".join(odd[:5]) + (" …" if len(odd) > 5 else ""))
     raise_all(problems)
     return match
