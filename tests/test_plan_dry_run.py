@@ -136,6 +136,11 @@ def test_plan_refuses_what_an_adapter_merge_and_a_push_would_refuse_all_at_once(
     said = "\n".join(doc["problems"])
     for expected in ("--rank", "--non-linear 'drop'", "an adapter is written in one go", "HF_HUB_OFFLINE is set"):
         assert expected in said, said
+    assert doc["passes"] == [] and doc["read_bytes"] is None and doc["write_bytes"] is None  # not 0: not planned
+    main(["plan", str(base), *map(str, agents), "-o", str(tmp_path / "out"), "--output-format", "peft", "--rank", "0"])
+    text = capsys.readouterr().out
+    assert "passes: none planned until the problems below are fixed" in text, text
+    assert "read 0 B" not in text and "rank None" not in text, text
     for bad in ({"rank": "0"}, {"non_linear": "drop"}, {"push_to_hub": "org/merged"}):
         with pytest.raises(rlmerge.RLMergeError):
             rlmerge.merge(base, agents, tmp_path / "o2", output_format="peft", **bad)

@@ -85,13 +85,16 @@ def print_report(r: DryRun) -> None:
             rows = r.tokenizer.vocab_size or "the base's"
             out.print(f"tokenizer: {escape(r.tokenizer.source)}; chat template: {escape(r.tokenizer.chat_template)}"
                       + (f"; {len(added)} token(s) added, {rows} rows" if added else ""))
-        if r.write_at_most:
-            written = (f"write at most {_size(r.write_bytes)} as a LoRA adapter (rank {escape(str(r.rank))}; only "
-                       "the changed non-linear tensors are saved)")
+        if not r.passes:  # no route: a problem below stops the merge before anything is read or written
+            out.print("passes: none planned until the problems below are fixed")
         else:
-            written = (f"write {_size(r.write_bytes)} in {r.shards} shard(s), merged tensors as "
-                       f"{'/'.join(r.match.merged_dtypes)}")
-        out.print(f"passes: {' + '.join(r.passes)}; read {_size(r.read_bytes)}, {written}")
+            if r.write_at_most:
+                written = (f"write at most {_size(r.write_bytes)} as a LoRA adapter (rank {escape(str(r.rank))}; "
+                           "only the changed non-linear tensors are saved)")
+            else:
+                written = (f"write {_size(r.write_bytes)} in {r.shards} shard(s), merged tensors as "
+                           f"{'/'.join(r.match.merged_dtypes)}")
+            out.print(f"passes: {' + '.join(r.passes)}; read {_size(r.read_bytes)}, {written}")
     if r.memory is not None:
         avail = "unknown" if r.available_memory is None else f"{r.available_memory / 2**30:.2f} GiB"
         out.print(f"peak memory ≈ {r.memory.total / 2**30:.2f} GiB (blocks of {r.memory.block:,} elements; "

@@ -53,8 +53,10 @@ class DryRun:
     def to_json(self) -> dict[str, Any]:
         mem = self.memory
         return {
-            "ok": self.ok, "method": self.method, "passes": self.passes, "read_bytes": self.read_bytes,
-            "write_bytes": self.write_bytes, "shards": self.shards,
+            "ok": self.ok, "method": self.method, "passes": self.passes,
+            # no route (a problem stops the merge first): what it would read or write is not known, not 0
+            "read_bytes": self.read_bytes if self.passes else None,
+            "write_bytes": self.write_bytes if self.passes else None, "shards": self.shards if self.passes else None,
             "merged_dtypes": self.match.merged_dtypes if self.match else None,
             "tensors": len(self.match.jobs) if self.match else None,
             "peak_memory_bytes": mem.total if mem else None, "block": mem.block if mem else None,
