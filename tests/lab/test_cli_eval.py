@@ -8,6 +8,7 @@ log-likelihood of each choice, computed directly, argmax against the gold index.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -227,11 +228,9 @@ def test_unknown_task_is_named_and_the_available_ones_listed(checkpoint: Path, t
 def test_without_lm_eval_the_error_says_how_to_install(checkpoint: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` now raises ImportError
-    harness._task_manager.cache_clear()
-    try:
-        code, _, message = _eval(capsys, checkpoint, "--tasks", "hellaswag")
-    finally:
-        harness._task_manager.cache_clear()
+    # an empty cache of task indexes for this test (the module's, built at ~15 s each, come back after it)
+    monkeypatch.setattr(harness, "_task_manager", functools.lru_cache(harness._task_manager.__wrapped__))
+    code, _, message = _eval(capsys, checkpoint, "--tasks", "hellaswag")
     assert code == 2
     assert "'hellaswag'" in message
     assert "pip install 'rlmerge[eval]'" in message

@@ -46,12 +46,13 @@ def _import_lm_eval() -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _task_manager(include_path: tuple[str, ...]) -> Any:
-    # Indexing lm-eval's ~15k built-in task configs takes seconds; one index per include path per process.
+def _task_manager(include_path: tuple[str, ...], defaults: bool = True) -> Any:
+    # Indexing lm-eval's ~15k built-in task configs takes seconds (~15 s measured); one index per include path per
+    # process. ``defaults=False``: the include path's own tasks only (a few files: no such cost).
     _import_lm_eval()
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=list(include_path) or None)
+    return TaskManager(include_path=list(include_path) or None, include_defaults=defaults)
 
 
 def split_tasks(names: Sequence[str], include_path: Sequence[Path] = ()) -> TaskSplit:
@@ -77,18 +78,17 @@ def split_tasks(names: Sequence[str], include_path: Sequence[Path] = ()) -> Task
         for name in unknown:
             close = difflib.get_close_matches(name, [*FAMILIES, *manager.all_tasks], n=5, cutoff=0.6)
             lines.append(f"unknown task {name!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-        local = sorted(known - _builtin_names()) if include_path else []
+        # the include path's own names from an index of it alone: not a second index of every built-in config
+        local = sorted(set(_task_manager(tuple(str(p) for p in include_path), False).all_tasks) & known
+                       ) if include_path else []
         raise UnknownTask(
             "; ".join(lines)
             + f". Available: the lab's tasks {', '.join(FAMILIES)}"
             + (f"; from --include-path: {', '.join(local)}" if local else "")
-            + f"; and {len(_builtin_names())} lm-eval tasks, groups and tags (list them: lm-eval ls tasks)."
+            + f"; and {len(known - set(local))} {'more ' if local else ''}lm-eval tasks, groups and tags (list "
+              "them: lm-eval ls tasks)."
         )
     return TaskSplit(lab, rest)
-
-
-def _builtin_names() -> set[str]:
-    return set(_task_manager(()).all_tasks)
 
 
 def evaluate(
