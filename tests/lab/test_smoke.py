@@ -126,15 +126,24 @@ def test_a_run_interrupted_inside_a_stage_resumes_at_that_stage(
 
 
 @pytest.mark.slow
-def test_stages_side_by_side_give_the_same_results(smoke: tuple[Path, dict], tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """--jobs 2: the agents, the models' test scores and the merge rows run in two worker processes, and every
-    number is the one-process run's (each stage seeds itself; nothing depends on which process ran it); the base
-    and agents trained again are the same bytes (what lets saved stages be reused on another machine). The
-    stages are saved as in one process: a rerun reads them all back."""
+def test_a_new_machine_goes_on_from_the_saved_stage_records_side_by_side(smoke: tuple[Path, dict], tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """What crosses machines is the stage records (collect.sh keeps them in the repository), not the checkpoints:
+    a fresh --out given --stages-from trains the base and agents again (to the same bytes: what lets saved stages
+    be reused on another machine) and reuses every saved test score and merge row instead of computing it.
+
+    Run with --jobs 2: the agents, the test scores and the merge rows go to two worker processes, and what they
+    compute there (the agents, and the scores and rows the saved run had not finished: a deterministic row, a
+    seeded random one, a statistics one and Fisher's, the base's and a specialist's test scores) is every number
+    of the one-process run (each stage seeds itself; nothing depends on which process ran it). The stages are
+    saved as in one process: a rerun reads them all back. (One lab run checks both, so the suite trains the smoke
+    size's base twice, not three times.)"""
+    import shutil
     from concurrent.futures import ProcessPoolExecutor
 
+    from rlmerge.errors import InputError
     from rlmerge.lab import jobs, pipeline
+    from rlmerge.lab.stages import fingerprint
 
     sent: list[str] = []
 
@@ -144,50 +153,33 @@ def test_stages_side_by_side_give_the_same_results(smoke: tuple[Path, dict], tmp
             return super().submit(fn, *args, **kwargs)
 
     monkeypatch.setattr(jobs, "ProcessPoolExecutor", Spy)
-    first = smoke[1]["seeds"][0]
-    two = run_lab("smoke", tmp_path / "two", seeds=1, jobs=2)["seeds"][0]
-    assert sent.count("_agent_family") == len(FAMILIES) and sent.count("_score_stage") == 1 + len(FAMILIES)
-    assert sent.count("_row_stage") == len([p for p in METHOD_PLANS if skip_reason(p.method) is None])
-    assert two["scores"] == first["scores"] and two["examples"] == first["examples"]
-    assert two["task_vectors"] == first["task_vectors"] and two["skipped"] == first["skipped"]
-    from rlmerge.lab.stages import fingerprint
-
-    for name in ("base", *(f"agents/{f}" for f in FAMILIES)):  # trained again, elsewhere: the same bytes
-        assert fingerprint([smoke[0] / "seed0" / name], pipeline.DONE) == fingerprint(
-            [tmp_path / "two" / "seed0" / name], pipeline.DONE), name
-    assert set(two["stages"]) == set(first["stages"]) and not any(t["reused"] for t in two["stages"].values())
-    again = run_lab("smoke", tmp_path / "two", seeds=1)["seeds"][0]
-    assert all(t["reused"] for t in again["stages"].values()) and again["scores"] == first["scores"]
-
-
-@pytest.mark.slow
-def test_a_new_machine_goes_on_from_the_saved_stage_records(smoke: tuple[Path, dict], tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """What crosses machines is the stage records (collect.sh keeps them in the repository), not the checkpoints:
-    a fresh --out given --stages-from trains the base and agents again (to the same bytes) and reuses every
-    saved test score and merge row instead of computing it."""
-    import shutil
-
-    from rlmerge.errors import InputError
-    from rlmerge.lab import pipeline
-
     out, summary = smoke
     first = summary["seeds"][0]
     saved = tmp_path / "saved"  # what collect.sh copies: seedN/stages/*.json and seedN/agents/*.json
     shutil.copytree(out / "seed0" / "stages", saved / "seed0" / "stages")
-    (saved / "seed0" / "stages" / "row-Average.json").unlink()  # a row the saved run had not finished
+    unfinished = {"row Average": "row-Average", "row DARE+TIES": "row-DARE+TIES", "row RAM+": "row-RAM+",
+                  "row Fisher": "row-Fisher", "test scores Base": "test-Base",
+                  "test scores Specialist: coding": "test-Specialist_coding"}
+    for name in unfinished.values():  # stages the saved run had not finished
+        (saved / "seed0" / "stages" / f"{name}.json").unlink()
     # the stages' peaks, for --jobs to plan with (one larger than any this run will measure: kept, as the largest)
     (saved / "memory.json").write_text(json.dumps({"peak_bytes": {"agent tool_use": 1 << 40}}))
-    real_row, rows = pipeline._merge_row, []
-    monkeypatch.setattr(pipeline, "_merge_row", lambda plan, *a: rows.append(plan.label) or real_row(plan, *a))
-    again = run_lab("smoke", tmp_path / "new", seeds=1, stages_from=saved)["seeds"][0]
-    assert rows == ["Average"]  # only the row that was not saved
+    again = run_lab("smoke", tmp_path / "new", seeds=1, stages_from=saved, jobs=2)["seeds"][0]
+    ran = [p for p in METHOD_PLANS if skip_reason(p.method) is None]
+    assert sent.count("_agent_family") == len(FAMILIES) and sent.count("_score_stage") == 1 + len(FAMILIES)
+    assert sent.count("_row_stage") == len(ran)  # every stage went to the pool (a saved one is read back there)
+    assert again["scores"] == first["scores"] and again["examples"] == first["examples"]
+    assert again["task_vectors"] == first["task_vectors"] and again["skipped"] == first["skipped"]
+    for name in ("base", *(f"agents/{f}" for f in FAMILIES)):  # trained again, elsewhere: the same bytes
+        assert fingerprint([out / "seed0" / name], pipeline.DONE) == fingerprint(
+            [tmp_path / "new" / "seed0" / name], pipeline.DONE), name
     peaks = json.loads((tmp_path / "new" / "memory.json").read_text())["peak_bytes"]
     assert peaks["agent tool_use"] == 1 << 40 and {"agent coding", "row Average"} <= set(peaks)
-    assert again["scores"] == first["scores"] and again["examples"] == first["examples"]
     assert not again["stages"]["base"]["reused"] and not again["stages"]["agent coding"]["reused"]
     reused = {k for k, t in again["stages"].items() if t["reused"]}
-    assert reused == {k for k in first["stages"] if k.startswith(("row ", "test scores", "task vectors"))} - {
-        "row Average"}
+    assert reused == {k for k in first["stages"] if k.startswith(("row ", "test scores", "task vectors"))} - set(
+        unfinished)
+    rerun = run_lab("smoke", tmp_path / "new", seeds=1)["seeds"][0]
+    assert all(t["reused"] for t in rerun["stages"].values()) and rerun["scores"] == first["scores"]
     with pytest.raises(InputError, match="no such folder"):
         run_lab("smoke", tmp_path / "other", seeds=1, stages_from=tmp_path / "missing")
