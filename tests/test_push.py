@@ -216,6 +216,8 @@ def test_no_push_without_network_or_token_and_nothing_read(example, tmp_path: Pa
     with pytest.raises(OutputError, match="HF_HUB_OFFLINE is set") as info:
         rlmerge.merge(base, agents, tmp_path / "o", push_to_hub="org/merged")
     assert info.value.exit_code == 4
+    # the repository is named as what it is, not as a file (it is not one)
+    assert info.value.file is None and "the Hub repository 'org/merged'" in info.value.render()
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hc, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     monkeypatch.delenv("HF_TOKEN", raising=False)

@@ -35,16 +35,16 @@ def push_problems(repo: str, *, revision: str | None = None) -> list[RLMergeErro
     if revision is not None and (not revision.strip() or revision != revision.strip()):
         return [ConfigError(f"--revision {revision!r} is not a branch name", hint="e.g. --revision main")]
     if constants.is_offline_mode():
-        return [OutputError("cannot push to the Hub: HF_HUB_OFFLINE is set", file=repo,
+        return [OutputError(f"cannot push to the Hub repository {repo!r}: HF_HUB_OFFLINE is set",
                             hint="unset HF_HUB_OFFLINE (or drop --push-to-hub and upload the folder later)")]
     token = get_token()
     if token is None:
-        return [OutputError("cannot push to the Hub: no Hugging Face token", file=repo,
+        return [OutputError(f"cannot push to the Hub repository {repo!r}: no Hugging Face token",
                             hint="run `hf auth login`, or set HF_TOKEN to a token with write access")]
     try:
         HfApi().whoami(token=token)
     except Exception as e:  # an HTTP error (a refused token) or a network error: either way, no push
-        return [OutputError(f"cannot push to the Hub at {constants.ENDPOINT}: {_short(e)}", file=repo,
+        return [OutputError(f"cannot push to the Hub repository {repo!r} at {constants.ENDPOINT}: {_short(e)}",
                             hint="check HF_TOKEN (`hf auth whoami`) and the network, then rerun")]
     return []
 
