@@ -90,6 +90,12 @@ def test_delta_equals_peft_get_delta_weight_at_any_block_size(lora) -> None:
         assert torch.equal(pieces, whole), name  # the block size never changes a value
         checked += 1
     assert checked == len(ckpts[1]._modules) == 7  # q, v, o in 2 layers + the embedding
+    # the note's share counts what it names: the adapted matrices and the tensors saved whole (model.norm)
+    floats = sum(i.numel for i in ckpts[0].tensors.values() if i.is_float)
+    share = sum(ckpts[0].tensors[n].numel for n in [*ckpts[1]._modules, "model.norm.weight"]) / floats
+    assert sorted(ckpts[1]._full) == ["model.embed_tokens.weight", "model.norm.weight"]  # the embedding: also adapted
+    assert any(f"in the 7 adapted matrices and 1 tensor(s) it saves whole (modules_to_save, trained biases) "
+               f"({share:.1%} of the base's float elements" in n for n in ckpts[1].notes), ckpts[1].notes
     assert ckpts[1]._modules["model.layers.1.self_attn.q_proj.weight"].scale == 8 / 2  # rank_pattern
     assert ckpts[1]._modules["model.layers.0.self_attn.v_proj.weight"].scale == 3 / 4  # alpha_pattern
     assert ckpts[2]._modules["model.layers.0.mlp.down_proj.weight"].scale == 16 / 8**0.5  # rsLoRA

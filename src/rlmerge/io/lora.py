@@ -209,9 +209,12 @@ class LoraAdapter(Checkpoint):
         self.config = {**base.config, **self.config}
         adapted = sum(base.tensors[n].numel for n in {*self._modules, *self._full})
         floats = sum(i.numel for i in base.tensors.values() if i.is_float) or 1
+        whole = [n for n in self._full if n not in self._modules]  # (an adapted embedding may be saved whole too)
         self.notes.append(
             f"agent {self.label} is a LoRA adapter: its τ = (α/r)·B·A is dense by construction in the "
-            f"{len(self._modules)} adapted matrices ({adapted / floats:.1%} of the base's float elements; τ = 0 "
+            f"{len(self._modules)} adapted matrices"
+            + (f" and {len(whole)} tensor(s) it saves whole (modules_to_save, trained biases)" if whole else "")
+            + f" ({adapted / floats:.1%} of the base's float elements; τ = 0 "
             "elsewhere), so RAM's shared/unique split sees every adapted element as changed: where two agents "
             "adapt the same matrices everything there is 'shared' and RAM averages, and unique elements exist "
             "only where one agent alone adapted. Recommended: task_arithmetic or ties for LoRA agents; RAM / RAM+ "
