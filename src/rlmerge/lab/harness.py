@@ -64,8 +64,9 @@ def split_tasks(names: Sequence[str], include_path: Sequence[Path] = ()) -> Task
     rest = [n for n in names if n not in FAMILIES]
     if not rest:
         return TaskSplit(lab, [])
+    paths = tuple(str(p) for p in include_path)  # the index cache's key
     try:
-        manager = _task_manager(tuple(str(p) for p in include_path))
+        manager = _task_manager(paths)
     except HarnessMissing as err:
         raise UnknownTask(
             f"unknown task(s) {', '.join(map(repr, rest))}: the lab's tasks are {', '.join(FAMILIES)}; "
@@ -79,8 +80,7 @@ def split_tasks(names: Sequence[str], include_path: Sequence[Path] = ()) -> Task
             close = difflib.get_close_matches(name, [*FAMILIES, *manager.all_tasks], n=5, cutoff=0.6)
             lines.append(f"unknown task {name!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
         # the include path's own names from an index of it alone: not a second index of every built-in config
-        local = sorted(set(_task_manager(tuple(str(p) for p in include_path), False).all_tasks) & known
-                       ) if include_path else []
+        local = sorted(set(_task_manager(paths, False).all_tasks) & known) if paths else []
         raise UnknownTask(
             "; ".join(lines)
             + f". Available: the lab's tasks {', '.join(FAMILIES)}"
