@@ -28,7 +28,7 @@ ray = pytest.importorskip("ray")
 import rlmerge  # noqa: E402 - after the importorskip
 from rlmerge.engine import distributed  # noqa: E402
 from rlmerge.engine.distributed import FAULT_ENV, merge_on_ray  # noqa: E402
-from rlmerge.errors import OutputError  # noqa: E402
+from rlmerge.errors import ConfigError, OutputError  # noqa: E402
 from test_interrupt_resume import _wait, _wait_for  # noqa: E402 - a signalled child's helpers
 from test_push import hub  # noqa: E402, F401 - the fake Hub, a fixture
 
@@ -343,6 +343,14 @@ def test_cli_merge_backend_ray_refuses_only_an_adapter_output(cluster, example, 
     args = [str(base), *map(str, agents), "-q", "--backend", "ray"]
     assert main(["merge", *args, "-o", str(tmp_path / "a"), "--output-format", "peft", "--rank", "4"]) == 2
     assert "LoRA adapter" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    # an adapter's option without an adapter: the local backend's message (it applies to peft), not "local only"
+    assert main(["merge", *args, "-o", str(tmp_path / "r"), "--rank", "4"]) == 2
+    said = capsys.readouterr().err
+    assert "--rank 4 applies to --output-format peft" in said and "local backend" not in said, said
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ConfigError, match="local backend only"):  # the library call says the same as the CLI
+        merge_on_ray(base, agents, tmp_path / "p", method="ram", output_format="peft", rank=4)
+    assert not (tmp_path / "p").exists()
     assert main(["merge", *args, "-o", str(tmp_path / "t"), "--tokenizer-source", "base"]) == 0
     assert main(["merge", str(base), *map(str, agents), "-q", "-o", str(tmp_path / "l"), "--tokenizer-source",
                  "base"]) == 0

@@ -126,12 +126,6 @@ def merge_command(
         print_notes(req)
     run_merge = merge
     if backend == "ray":
-        adapter = options.get("output_format", "hf") != "hf" or any(options.get(k) is not None
-                                                                   for k in ("rank", "non_linear"))
-        if adapter:
-            raise ConfigError("a LoRA adapter (--output-format peft, --rank, --non-linear) is written on the local "
-                              "backend only", hint="merge without --backend ray")
-        options.pop("output_format", None)
         from ..engine.distributed import merge_on_ray  # Ray is imported only here
 
         run_merge = functools.partial(merge_on_ray, workers=workers)

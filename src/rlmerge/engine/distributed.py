@@ -301,7 +301,8 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
                  partition: Sequence[Sequence[int]] | None = None, retries: int = 3, address: str | None = None,
                  cache: StatisticsCache | None = None, quiet: bool = True, defaults: Sequence[str] = (),
                  notes: Sequence[str] = (), tokenizer_source: str | None = None, chat_template: str | None = None,
-                 push_to_hub: str | None = None, private: bool = False, revision: str | None = None) -> MergeResult:
+                 push_to_hub: str | None = None, private: bool = False, revision: str | None = None,
+                 output_format: str = "hf", rank: Any = None, non_linear: str | None = None) -> MergeResult:
     """``rlmerge.merge`` with its passes run as Ray tasks (see the module docstring); the same output bytes.
     ``tokenizer_source``, ``chat_template``, ``push_to_hub`` (``private``, ``revision``): as ``rlmerge.merge``'s
     (the driver checks them before any weight is read, writes the tokenizer's files and uploads the finished
@@ -310,14 +311,20 @@ def merge_on_ray(base: str | os.PathLike[str], agents: Sequence[str | os.PathLik
     ``workers``: tasks at once (default: every one), and the number of tensor groups the statistics are mapped
     over (default: the cluster's CPUs). ``partition``: groups of shard indices, one merge task each (default: one
     shard per task); every shard exactly once.
+    ``output_format``, ``rank``, ``non_linear``: checked as ``rlmerge.merge`` checks them (an adapter's option without
+    ``output_format="peft"`` is refused the same way); a LoRA adapter itself is written on the local backend only.
     """
     t0 = time.perf_counter()
     pf = preflight(base, agents, output, method=method, params=params, dtype=dtype, shard_size=shard_size,
                    block_size=block_size, device=device, force=force, resume=resume, allow_missing=allow_missing,
                    count_tied_twice=count_tied_twice, seed=seed, tokenizer_source=tokenizer_source,
-                   chat_template=chat_template, push_to_hub=push_to_hub, revision=revision, recipe=recipe)
+                   chat_template=chat_template, push_to_hub=push_to_hub, revision=revision, recipe=recipe,
+                   output_format=output_format, rank=rank, non_linear=non_linear)
     try:
         raise_all(pf.problems)
+        if pf.adapter is not None:
+            raise ConfigError("a LoRA adapter (--output-format peft) is written on the local backend only",
+                              hint="merge without --backend ray")
         assert pf.match is not None and pf.spec is not None and pf.base is not None
         if pf.at is not None:
             raise ConfigError("a recipe whose parameters vary by layer or module (gradients, filters) runs on the "
