@@ -502,6 +502,70 @@ def test_plots_refusal_names_plots(world: World, monkeypatch, capsys) -> None:
     assert code == 4 and "choose another --plots" in err and "another -o" not in err, err
 
 
+@pytest.mark.parametrize("what", ["plots", "save"])
+def test_a_full_disk_mid_run_names_the_option_that_named_the_output(world: World, what: str, monkeypatch,
+                                                                     capsys) -> None:
+    """The disk fills while inspect writes its --plots figures or its --save report: the hint names that option
+    (it said merge's "-o"), and nothing is left that looks complete."""
+    import errno
+
+    from rlmerge.io import partial
+
+    if what == "plots":
+        pytest.importorskip("matplotlib")
+
+    def full(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(partial.PartialDir, "create", full)  # the figures' files
+    monkeypatch.setattr(partial, "_new_temp_file", full)  # the report's temporary file
+    out = world.root / "user" / ("figs" if what == "plots" else "report.json")
+    code = main((_plots if what == "plots" else _save)(world, out, False))
+    err = capsys.readouterr().err
+    assert code == 4 and "the disk is full" in err and f"write elsewhere (--{what})" in err, err
+    assert "-o)" not in err and not out.exists()
+
+
+def test_a_lock_taken_mid_run_names_the_option(tmp_path: Path) -> None:
+    """Another process locks a folder between the check and the claim: the hint names the folder's option."""
+    import fcntl
+
+    from rlmerge.errors import OutputError
+    from rlmerge.io.partial import take_lock
+
+    lock = tmp_path / "lock"
+    held = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(OutputError) as e:
+            take_lock(lock, "another rlmerge run is writing this output right now", tmp_path / "figs", "--plots")
+        assert e.value.hint == "wait for it to finish, or choose another --plots"
+    finally:
+        os.close(held)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_a_merged_folder_s_files_get_the_mode_open_gives(world: World, umask: int) -> None:
+    """Every file of a merge (shards, index, config, tokenizer, card, manifest) gets the mode a plain open() gives
+    under the umask: the shards were created 0o644 less the umask, so under umask 002 (a group's shared folder)
+    they alone were not group-writable."""
+    import rlmerge
+
+    old = os.umask(umask)
+    try:
+        with open(world.root / "plain", "wb"):
+            pass
+        res = rlmerge.merge(world.base, world.agents, world.root / "out", method="ram", shard_size=20_000,
+                           fsync=False)
+    finally:
+        os.umask(old)
+    want = (world.root / "plain").stat().st_mode & 0o777
+    assert want == 0o666 & ~umask
+    files = sorted(p for p in res.output.iterdir())
+    assert len([p for p in files if p.suffix == ".safetensors"]) > 1  # sharded: the index is written too
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: want for p in files}
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
 @pytest.mark.parametrize("force", [False, True], ids=["new", "replaced"])
 def test_saved_report_mode_follows_umask(tmp_path: Path, umask: int, force: bool) -> None:

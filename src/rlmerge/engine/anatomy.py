@@ -84,7 +84,7 @@ def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
     extra = _check(epsilon, thresholds, block_size, device)
     models = open_all([base, *agents])
     try:
-        problems = output_problems(save, models, force=force, kind="file") if save is not None else []
+        problems = output_problems(save, models, force=force, kind="file", option="--save") if save is not None else []
         if plots is not None:
             problems += output_problems(plots, models, force=force, option="--plots")
             problems += _nested(save, plots) if save is not None else []
@@ -101,7 +101,7 @@ def inspect(base: str | os.PathLike[str], agents: Sequence[str | os.PathLike[str
                            warnings=[*match.warnings, *stats.identical_agents()], methods=inspected(stats))
         report = Report(doc, stats)
         if save is not None:
-            write_file(save, report.to_json().encode(), force=force, inputs=models)
+            write_file(save, report.to_json().encode(), force=force, inputs=models, option="--save")
         if plots is not None:
             report.save_plots(plots, force=force, inputs=models)
     finally:

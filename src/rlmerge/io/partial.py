@@ -336,9 +336,10 @@ def _is_our_report(path: Path) -> bool:
 
 
 def check_output(output: str | os.PathLike[str], inputs: Sequence[Checkpoint | Path], *, force: bool = False,
-                 resume: bool = False, kind: str = "folder", checksums: bool = True) -> None:
+                 resume: bool = False, kind: str = "folder", checksums: bool = True, option: str = "-o") -> None:
     """Raise the problems ``output_problems`` finds."""
-    raise_all(output_problems(output, inputs, force=force, resume=resume, kind=kind, checksums=checksums))
+    raise_all(output_problems(output, inputs, force=force, resume=resume, kind=kind, checksums=checksums,
+                              option=option))
 
 
 # -- resume fingerprints -----------------------------------------------------------------------------------
@@ -433,8 +434,9 @@ class PartialDir:
     """
 
     def __init__(self, output: str | os.PathLike[str], *, force: bool = False, resume: bool = False,
-                 inputs: Sequence[Checkpoint | Path] = ()) -> None:
+                 inputs: Sequence[Checkpoint | Path] = (), option: str = "-o") -> None:
         self.output = target(output)
+        self.option = option  # the command-line option that named the folder, for the hints
         self.tmp = partial_path(self.output)
         self.force = force
         self.resume = resume
@@ -451,7 +453,8 @@ class PartialDir:
     # -- claiming --------------------------------------------------------------------------------------
     def __enter__(self) -> PartialDir:
         # checked in full (with checksums) before the run; here again, cheaply, as the folder is claimed
-        check_output(self.output, self.inputs, force=self.force, resume=self.resume, checksums=False)
+        check_output(self.output, self.inputs, force=self.force, resume=self.resume, checksums=False,
+                     option=self.option)
         self._seen = _snapshot(self.output)
         try:
             self.output.parent.mkdir(parents=True, exist_ok=True)
@@ -460,7 +463,7 @@ class PartialDir:
             self._lock()
         except OSError as e:
             self._unlock()
-            raise disk_error(e, self.tmp) from e
+            raise disk_error(e, self.tmp, self.option) from e
         old = self._read_progress()
         if not self.resume:
             self._clear()
@@ -469,7 +472,7 @@ class PartialDir:
 
     def _lock(self) -> None:
         self._lock_fd = fd = take_lock(self.tmp / LOCK, "another rlmerge run is writing this output right now",
-                                       self.output)
+                                       self.output, self.option)
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
 
@@ -510,7 +513,7 @@ class PartialDir:
             with self.create(name) as fh:
                 fh.write(data)
         except OSError as e:
-            raise disk_error(e, self.tmp / name) from e
+            raise disk_error(e, self.tmp / name, self.option) from e
         self.note(name, len(data), zlib.crc32(data))
 
     def adopt(self) -> None:
@@ -566,7 +569,7 @@ class PartialDir:
                 fh.write(json.dumps(doc, indent=1).encode())
             os.replace(self.tmp / tmp, self.tmp / PROGRESS)
         except OSError as e:
-            raise disk_error(e, self.tmp / PROGRESS) from e
+            raise disk_error(e, self.tmp / PROGRESS, self.option) from e
 
     # -- the end ---------------------------------------------------------------------------------------
     def publish(self, manifest: dict[str, Any]) -> Path:
@@ -597,7 +600,7 @@ class PartialDir:
                 with contextlib.suppress(FileNotFoundError):
                     (self.output / name).unlink()
         except OSError as e:
-            raise disk_error(e, self.output) from e
+            raise disk_error(e, self.output, self.option) from e
         self._unlock()
         return self.output
 
@@ -628,13 +631,14 @@ def create_file(folder: Path, name: str) -> Any:
     """A new, empty file ``name`` in ``folder`` (one of ours), open for reading and writing (binary).
 
     Whatever stood at that name is unlinked first and the file is created with O_EXCL | O_NOFOLLOW: no link, hard
-    link or file left there is ever written through.
+    link or file left there is ever written through. Mode 0o666 less the umask, as ``open()`` (and so the
+    tokenizer's files a library writes beside ours) and ``write_file`` create a file.
     """
     path = folder / name
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-    return os.fdopen(os.open(path, flags, 0o644), "r+b")
+    return os.fdopen(os.open(path, flags, 0o666), "r+b")
 
 
 def reopen_file(folder: Path, name: str) -> Any:
@@ -643,9 +647,9 @@ def reopen_file(folder: Path, name: str) -> Any:
     return os.fdopen(fd, "r+b")
 
 
-def take_lock(path: Path, busy: str, owner: Path) -> int:
+def take_lock(path: Path, busy: str, owner: Path, option: str = "-o") -> int:
     """An exclusive ``flock`` on ``path`` (created, never through a symlink): its descriptor, which releases the lock
-    when closed. OutputError ``busy`` (naming ``owner``) when another process holds it."""
+    when closed. OutputError ``busy`` (naming ``owner``; ``option`` named ``owner``) when another process holds it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     if fcntl is None:
         return fd
@@ -653,7 +657,7 @@ def take_lock(path: Path, busy: str, owner: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise OutputError(busy, file=str(owner), hint="wait for it to finish, or choose another -o") from None
+        raise OutputError(busy, file=str(owner), hint=f"wait for it to finish, or choose another {option}") from None
     return fd
 
 
@@ -689,19 +693,21 @@ def _renameat2() -> Any:
 
 @contextlib.contextmanager
 def owned_folder(output: str | os.PathLike[str], manifest: dict[str, Any], *, force: bool = False,
-                 inputs: Sequence[Checkpoint | Path] = ()) -> Iterator[PartialDir]:
-    """A folder written whole or not at all (plots, examples): write files with ``partial.write_bytes``."""
-    with PartialDir(output, force=force, inputs=inputs) as partial:
+                 inputs: Sequence[Checkpoint | Path] = (), option: str = "-o") -> Iterator[PartialDir]:
+    """A folder written whole or not at all (plots, examples): write files with ``partial.write_bytes``.
+    ``option``: the command-line option that names the folder, for the hints."""
+    with PartialDir(output, force=force, inputs=inputs, option=option) as partial:
         partial.start("", [])
         yield partial
         partial.publish(manifest)
 
 
 def write_file(path: str | os.PathLike[str], data: bytes, *, force: bool = False,
-               inputs: Sequence[Checkpoint | Path] = ()) -> Path:
-    """Write one file whole or not at all: a hidden temporary file beside it, renamed onto it."""
+               inputs: Sequence[Checkpoint | Path] = (), option: str = "-o") -> Path:
+    """Write one file whole or not at all: a hidden temporary file beside it, renamed onto it. ``option``: the
+    command-line option that named it, for the hints."""
     out = target(path)
-    check_output(out, inputs, force=force, kind="file")
+    check_output(out, inputs, force=force, kind="file", option=option)
     existed = os.path.lexists(out)  # then it is a report rlmerge wrote, and --force was given
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -720,7 +726,7 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, force: bool = False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
     except OSError as e:
-        raise disk_error(e, out) from e
+        raise disk_error(e, out, option) from e
     return out
 
 
@@ -741,9 +747,11 @@ def _new_temp_file(out: Path) -> tuple[int, str]:
     raise FileExistsError(errno.EEXIST, "no free temporary name", str(out.parent))
 
 
-def disk_error(e: OSError, path: Path) -> OutputError:
+def disk_error(e: OSError, path: Path, option: str = "-o") -> OutputError:
+    """``e`` as the OutputError it is for ``path`` (written under the folder or file the command-line ``option``
+    named, for the hint)."""
     if e.errno == errno.ENOSPC:
-        return OutputError("the disk is full", file=str(path), hint="free space or write elsewhere (-o)")
+        return OutputError("the disk is full", file=str(path), hint=f"free space or write elsewhere ({option})")
     if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
         return OutputError(f"cannot write: {e.strerror}", file=str(path), hint="choose a writable output folder")
     return OutputError(f"cannot write: {e.strerror or e}", file=str(path))

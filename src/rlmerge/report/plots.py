@@ -150,8 +150,8 @@ def save_plots(doc: dict[str, Any], folder: str | Path, *, force: bool = False,
     """Write one PNG per figure into the new folder ``folder`` (written whole, with its list of files in
     ``rlmerge.json``; ``force`` replaces a plots folder rlmerge wrote); returns the paths."""
     names = []
-    with owned_folder(folder, {"rlmerge_version": __version__, "kind": "plots"}, force=force,
-                      inputs=inputs) as partial:
+    with owned_folder(folder, {"rlmerge_version": __version__, "kind": "plots"}, force=force, inputs=inputs,
+                      option="--plots") as partial:
         for stem, fig in figures(doc).items():
             buf = io.BytesIO()
             fig.savefig(buf, format="png", dpi=DPI)
