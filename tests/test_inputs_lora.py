@@ -117,6 +117,33 @@ def test_merge_from_adapters_matches_merge_of_peft_merged_models(lora, tmp_path:
     assert "model.layers.0.self_attn.q_proj.bias" in changed  # bias="lora_only" trains the biases
 
 
+def test_an_embedding_adapted_and_saved_whole_takes_both(lora, tmp_path: Path) -> None:
+    """LoRA on embed_tokens makes PEFT save the embedding's base layer whole too (save_embedding_layers); PEFT loads
+    that tensor as the layer's weight and adds the LoRA product on top. With the saved tensor trained (≠ the base's),
+    τ must be (F − W) + s·B·A, as PEFT's own merge_and_unload gives, not either term alone."""
+    from safetensors.torch import load_file, save_file
+
+    base = lora[0]
+    adapter = _adapter(base, tmp_path / "emb", 2, r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"])
+    weights = adapter / "adapter_model.safetensors"
+    stored = load_file(weights)
+    (key,) = [k for k in stored if k.endswith("embed_tokens.base_layer.weight")]
+    torch.manual_seed(3)
+    stored[key] = stored[key] + 1e-2 * torch.randn_like(stored[key])  # the saved layer itself trained
+    save_file(stored, str(weights), metadata={"format": "pt"})
+    full = _full(base, adapter, tmp_path / "full")
+    for agent, out in ((adapter, "from-adapter"), (full, "from-full")):
+        rlmerge.merge(base, [agent], tmp_path / out, method="task_arithmetic", params={"scaling": 1.0},
+                      dtype="float32")
+    got, ref = load_output(tmp_path / "from-adapter"), load_output(tmp_path / "from-full")
+    name = "model.embed_tokens.weight"
+    w = load_output(base)[name].float()
+    tol = ULPS * 2**-23 * ref[name].abs().max().item()
+    torch.testing.assert_close(got[name], ref[name], rtol=0, atol=tol)
+    product = ref[name] - (stored[key] - w) - w  # PEFT's LoRA term alone
+    assert (ref[name] - w - product).abs().max() > 100 * tol and product.abs().max() > 100 * tol  # both terms count
+
+
 def test_block_size_and_fast_path(lora, tmp_path: Path) -> None:
     base, adapters, _ = lora
     rlmerge.merge(base, adapters, tmp_path / "a", method="ram+", block_size=64)
