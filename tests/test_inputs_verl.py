@@ -4,11 +4,13 @@ The checkpoints are real: tests/verl_driver.py trains a tiny Qwen2 for a few Ada
 apply_fsdp2) on gloo/CPU and saves it with verl 0.9.1's FSDPCheckpointManager, once on 2 ranks (mesh
 ("fsdp",)) and once on 4 (mesh ("ddp", "fsdp") = 2 × 2, HSDP). verl's ``python -m verl.model_merger merge
 --backend fsdp`` then converts each to a Hugging Face folder. Merging from the shards must give the same bytes
-as merging those folders. verl runs in its own venv (``make verl``: it pins transformers<5.11).
+as merging those folders. verl runs in its own venv (``make verl``: it pins transformers<5.11), in one process
+that imports it once and forks the ranks with torchrun's environment (``verl_driver.py --runs``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -40,15 +42,13 @@ def _run(cmd: list[str], cwd: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def _train(base: Path, actor: Path, nproc: int, fsdp: int, steps: int, seed: int) -> None:
-    _run([str(VERL / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), str(REPO / "tests/verl_driver.py"),
-          str(base), str(actor), "--steps", str(steps), "--fsdp-size", str(fsdp), "--seed", str(seed)], actor.parent)
-
-
-def _model_merger(actor: Path, out: Path) -> Path:
-    _run([str(VERL / "python"), "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(actor),
-          "--target_dir", str(out)], actor.parent)
-    return out
+def _train_and_convert(base: Path, runs: list[dict], folder: Path) -> None:
+    """verl_driver.py --runs: each run's ranks forked from one process that imported verl once (as torchrun's ranks
+    with their environment), then verl's model_merger on each (its command's own main)."""
+    spec = folder / "runs.json"
+    spec.write_text(json.dumps({"base": str(base), "runs": [{k: str(v) if isinstance(v, Path) else v
+                                                             for k, v in r.items()} for r in runs]}))
+    _run([str(VERL / "python"), str(REPO / "tests/verl_driver.py"), "--runs", str(spec)], folder)
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +61,9 @@ def verl_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     b = root / "b" / "global_step_2" / "actor"
     a.parent.mkdir(parents=True)
     b.parent.mkdir(parents=True)
-    _train(base, a, nproc=2, fsdp=-1, steps=3, seed=0)
-    _train(base, b, nproc=4, fsdp=2, steps=2, seed=1)
-    return {"base": base, "a": a, "b": b, "a_hf": _model_merger(a, root / "a-hf"),
-            "b_hf": _model_merger(b, root / "b-hf")}
+    _train_and_convert(base, [{"actor": a, "nproc": 2, "fsdp": -1, "steps": 3, "seed": 0, "hf": root / "a-hf"},
+                              {"actor": b, "nproc": 4, "fsdp": 2, "steps": 2, "seed": 1, "hf": root / "b-hf"}], root)
+    return {"base": base, "a": a, "b": b, "a_hf": root / "a-hf", "b_hf": root / "b-hf"}
 
 
 def test_shards_read_as_model_merger_writes_them(verl_run: dict[str, Path]) -> None:
