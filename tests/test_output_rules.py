@@ -598,5 +598,13 @@ def test_demo_replaces_only_its_own_example_and_merge(tmp_path: Path, capsys) ->
     mine.write_text("the user's\n")
     before = tree(tmp_path)
     assert main(["demo", "--workdir", str(work)]) == 4
-    assert "my-notes.txt" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "my-notes.txt" in err and "--workdir" in err and "-o;" not in err, err  # the demo has no -o
+    assert tree(tmp_path) == before
+    mine.unlink()  # the merge's folder holding a user's file: refused the same way, naming --workdir
+    (work / "merged-ram+" / "my-notes.txt").write_text("the user's\n")
+    before = tree(tmp_path)
+    assert main(["demo", "--workdir", str(work)]) == 4
+    err = capsys.readouterr().err
+    assert "my-notes.txt" in err and "--workdir" in err and "-o;" not in err, err
     assert tree(tmp_path) == before

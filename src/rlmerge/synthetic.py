@@ -105,14 +105,15 @@ def perturb(base: dict[str, torch.Tensor], density: float, *, seed: int, dtype: 
 
 
 def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], cfg: dict[str, object], *,
-                     tokenizer: bool = True, owned: bool = False) -> Path:
+                     tokenizer: bool = True, owned: bool = False, option: str = "-o") -> Path:
     """A model folder; ``owned``: written whole, with rlmerge.json listing its files, replacing only an earlier
-    one rlmerge wrote (the demo's inputs)."""
+    one rlmerge wrote (the demo's inputs); ``option``: the command-line option that named it, for the hints."""
     if owned:
         from ._version import __version__
         from .io.partial import owned_folder
 
-        with owned_folder(path, {"rlmerge_version": __version__, "kind": "example"}, force=True) as partial:
+        with owned_folder(path, {"rlmerge_version": __version__, "kind": "example"}, force=True,
+                          option=option) as partial:
             write_checkpoint(partial.tmp, tensors, cfg, tokenizer=tokenizer)
             partial.adopt()
         return path
@@ -153,8 +154,8 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
 def make_example(root: Path, *, shape: Shape = Shape(), densities: tuple[float, ...] = PAPER_DENSITIES,
                  dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                  names: tuple[str, ...] = ("coder", "tool-use", "memory"), owned: bool = False,
-                 ) -> tuple[Path, list[Path]]:
-    """Write a base and one agent per density under ``root``; returns (base, agents). ``owned``: see
+                 option: str = "-o") -> tuple[Path, list[Path]]:
+    """Write a base and one agent per density under ``root``; returns (base, agents). ``owned``, ``option``: see
     ``write_checkpoint``."""
     cfg = config(shape, dtype)
     if owned:  # every folder is checked before any is written: all replaced, or none
@@ -163,14 +164,15 @@ def make_example(root: Path, *, shape: Shape = Shape(), densities: tuple[float, 
 
         folders = [root / "base", *(root / (names[i] if i < len(names) else f"agent{i}")
                                     for i in range(len(densities)))]
-        raise_all([p for f in folders for p in output_problems(f, [], force=True)])
+        raise_all([p for f in folders for p in output_problems(f, [], force=True, option=option)])
     base32 = random_base(shape, seed=seed)
-    base = write_checkpoint(root / "base", {k: v.to(dtype) for k, v in base32.items()}, cfg, owned=owned)
+    base = write_checkpoint(root / "base", {k: v.to(dtype) for k, v in base32.items()}, cfg, owned=owned,
+                            option=option)
     agents = []
     for i, d in enumerate(densities):
         name = names[i] if i < len(names) else f"agent{i}"
         # Agents are perturbations of the stored (rounded) base, as real fine-tunes are.
         stored = {k: v.to(dtype).float() for k, v in base32.items()}
         agents.append(write_checkpoint(root / name, perturb(stored, d, seed=seed + 1 + i, dtype=dtype), cfg,
-                                       owned=owned))
+                                       owned=owned, option=option))
     return base, agents

@@ -21,8 +21,9 @@ def demo_command(
 
     out.print(f"building a tiny Qwen2 base and 3 agents with densities "
               f"{', '.join(f'{d:.1%}' for d in PAPER_DENSITIES)} in {workdir}/ …", markup=False)
-    check_output(workdir / "merged-ram+", [], force=True)  # before the example is (re)written
-    base, agents = make_example(workdir / "inputs", owned=True)  # replaces only an earlier demo's
+    # before the example is (re)written; the hints name --workdir, the option that named these folders
+    check_output(workdir / "merged-ram+", [], force=True, option="--workdir")
+    base, agents = make_example(workdir / "inputs", owned=True, option="--workdir")  # replaces only an earlier demo's
     res = merge(base, agents, workdir / "merged-ram+", method="ram+", params={"preset": "paper"}, force=True,
                 quiet=False)
     print_result(res)
