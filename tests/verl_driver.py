@@ -97,13 +97,14 @@ def _forked_run(base: str, run: dict) -> None:
                 sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)
-    failed = False
-    for pid in pids:
-        _, status = os.waitpid(pid, 0)
+    left, failed = set(pids), False
+    while left:  # whichever rank ends first: a failed one is seen at once, not after the ranks waiting for it
+        pid, status = os.wait()
+        left.discard(pid)
         if os.waitstatus_to_exitcode(status) != 0 and not failed:
             failed = True
-            for other in pids:  # the others would wait for the failed rank's collectives
-                with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            for other in left:  # the others would wait for the failed rank's collectives (gloo: 30 minutes)
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(other, signal.SIGKILL)
     if failed:
         raise SystemExit(f"a rank of {run['actor']} failed")
