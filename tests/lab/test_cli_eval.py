@@ -59,6 +59,13 @@ def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "doc_to_target: gold\n"
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
     )
+    # for the choice of index (test_an_include_path_defining_every_task_asked_is_indexed_alone): a task that
+    # replaces the built-in arc_easy and carries the built-in tag ai2_arc, a group of this folder's tasks, and a
+    # group with a member only the built-ins define
+    (folder / "arc_easy.yaml").write_text("include: lab_codes.yaml\ntask: arc_easy\ntag: ai2_arc\n")
+    (folder / "lab_group.yaml").write_text("group: lab_group\ntask:\n  - lab_codes\n  - task: arc_easy\n"
+                                           "    num_fewshot: 1\n")
+    (folder / "lab_mixed.yaml").write_text("group: lab_mixed\ntask:\n  - lab_codes\n  - arc_challenge\n")
     return folder
 
 
@@ -223,6 +230,38 @@ def test_unknown_task_is_named_and_the_available_ones_listed(checkpoint: Path, t
     assert "'lab_codez'" in message
     assert "lab_codes" in message  # the include-path task, offered as a close match and listed
     assert "tool_use, coding, memory" in message
+
+
+def _configs(loaded: dict) -> dict:
+    """What lm-eval's ``TaskManager.load`` gave: each task's config, each group's members."""
+    return {"tasks": {k: v.config.to_dict() for k, v in loaded["tasks"].items()}, "group_map": loaded["group_map"]}
+
+
+@pytest.mark.slow
+def test_an_include_path_defining_every_task_asked_is_indexed_alone(task_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Indexing lm-eval's built-in tasks takes seconds (~7 s here, more in CI): skipped where the include path
+    defines every name asked, and every member of its groups, which then load exactly as from the full index."""
+    pytest.importorskip("lm_eval", reason="the eval extra (rlmerge[eval]) is not installed")
+    paths = (str(task_dir),)
+    alone = harness._task_manager(paths, False)
+    assert harness._defined_in(["lab_codes", "lab_group", "arc_easy", "ai2_arc"], alone)
+    assert not harness._defined_in(["lab_mixed"], alone)  # arc_challenge: only the built-ins define it
+    assert not harness._defined_in(["hellaswag"], alone)
+    assert not harness._defined_in(["lab_codez"], alone)
+    asked = []
+    real = harness._task_manager
+    monkeypatch.setattr(harness, "_task_manager",  # called as harness calls it: one cache entry for each index
+                        lambda p, *defaults: asked.append(defaults != (False,)) or real(p, *defaults))
+    assert harness._manager_for(["lab_group", "lab_codes"], paths) is alone
+    assert harness.split_tasks(["memory", "lab_group"], [task_dir]) == harness.TaskSplit(["memory"], ["lab_group"])
+    assert asked == [False, False]  # no full index built
+    harness._manager_for(["lab_mixed"], paths)
+    assert asked[-1] is True
+    full = real(paths)  # the oracle: the names this folder defines replace the built-ins' there too
+    assert _configs(alone.load(["lab_group"])) == _configs(full.load(["lab_group"]))  # its arc_easy is the folder's
+    # a tag expands to the tasks its entry names: the folder's, not the built-in's two
+    assert alone.task_index["ai2_arc"].tags == full.task_index["ai2_arc"].tags == {"arc_easy"}
 
 
 def test_without_lm_eval_the_error_says_how_to_install(checkpoint: Path, monkeypatch: pytest.MonkeyPatch,

@@ -55,6 +55,48 @@ def _task_manager(include_path: tuple[str, ...], defaults: bool = True) -> Any:
     return TaskManager(include_path=list(include_path) or None, include_defaults=defaults)
 
 
+def _manager_for(names: Sequence[str], include_path: tuple[str, ...]) -> Any:
+    """lm-eval's TaskManager to load ``names`` with: an index of the include path alone (a few files) when it gives
+    them what the full index would, else the full index (~7–15 s, once per process).
+
+    The full index reads the built-in configs first and each include path after; a name an include path defines
+    (a task, a group, a tag with that path's tasks) replaces the built-in entry of that name. So a name defined in
+    the include path is the same entry in both. What only the full index can tell is a name the include path
+    does not define, among those asked or among a group's members (lm-eval makes a member it does not find an
+    inline task of that name, so a built-in member would silently change): then the full index is used.
+    """
+    if include_path:
+        alone = _task_manager(include_path, False)
+        if _defined_in(names, alone):
+            return alone
+    return _task_manager(include_path)
+
+
+def _defined_in(names: Sequence[str], manager: Any) -> bool:
+    """Whether each of ``names``, and each member of the groups reached from them, is a task, group or tag in
+    ``manager``'s index (lm-eval 0.4.13's ``Entry``; anything else: False, and the full index decides)."""
+    try:
+        from lm_eval.tasks._index import Kind
+
+        index = manager.task_index
+        todo: list[Any] = list(names)
+        seen: set[str] = set()
+        while todo:
+            item = todo.pop()
+            # a group's member: a name, or {"task": name, overrides…} / {"group": name, …}
+            name = item.get("group", item.get("task")) if isinstance(item, dict) else item
+            if not isinstance(name, str) or name not in index or index[name].kind == Kind.UNKNOWN:
+                return False
+            entry = index[name]
+            if entry.kind == Kind.GROUP and name not in seen:
+                seen.add(name)
+                members = (entry.cfg or {}).get("task")
+                todo += members if isinstance(members, list) else []
+        return True
+    except Exception:  # noqa: BLE001 - another lm-eval's internals: the full index decides
+        return False
+
+
 def split_tasks(names: Sequence[str], include_path: Sequence[Path] = ()) -> TaskSplit:
     """Sort requested names into lab families and lm-eval tasks; refuse unknown names, all at once.
 
@@ -66,7 +108,7 @@ def split_tasks(names: Sequence[str], include_path: Sequence[Path] = ()) -> Task
         return TaskSplit(lab, [])
     paths = tuple(str(p) for p in include_path)  # the index cache's key
     try:
-        manager = _task_manager(paths)
+        manager = _manager_for(rest, paths)
     except HarnessMissing as err:
         raise UnknownTask(
             f"unknown task(s) {', '.join(map(repr, rest))}: the lab's tasks are {', '.join(FAMILIES)}; "
@@ -104,7 +146,7 @@ def evaluate(
     """lm-eval's own results document (``results``, ``n-samples``, ``group_subtasks``, and with ``log_samples``
     each example's ``samples``) for an lm-eval model object (HFLM around a loaded model, or lm-eval's VLLM)."""
     lm_eval = _import_lm_eval()
-    manager = _task_manager(tuple(str(p) for p in include_path))
+    manager = _manager_for(tasks, tuple(str(p) for p in include_path))
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=list(tasks),
