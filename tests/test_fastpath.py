@@ -375,6 +375,39 @@ def test_released_blocks_leave_no_mapped_pages_behind(tmp_path: Path) -> None:
         m.close()
 
 
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc for mapped pages")
+def test_a_block_asked_for_ahead_is_mapped_before_it_is_viewed(tmp_path: Path) -> None:
+    """The readahead thread maps a requested block's pages into the process (MADV_POPULATE_READ) once its file is
+    mapped, so the compute threads do not fault them in page by page; release hands them back."""
+    from rlmerge.io.mapping import _MADVISE, PAGE, Mapped
+    from rlmerge.io.open import open_all
+    from rlmerge.synthetic import Shape
+
+    if _MADVISE is None:
+        pytest.skip("no libc madvise here")
+    shape = Shape("qwen2", vocab=4096, hidden=256, layers=1, heads=4, kv_heads=2, intermediate=1024, tie=True)
+    base, agents = make_example(tmp_path / "in", shape=shape)
+    (agent,) = open_all([agents[0]])
+    files = {str(f) for f in agent.files}
+    for f in agent.files:  # into the page cache
+        f.read_bytes()
+    name = max(agent.tensors, key=lambda n: agent.tensors[n].numel)
+    n = agent.tensors[name].numel
+    nbytes = n * agent.tensors[name].dtype.itemsize
+    mapped = Mapped()
+    mapped.prefetch(agent, name, 0, n)  # the file not mapped yet: its pages are only asked for
+    assert _mapped_rss(files) == 0
+    view = mapped.view(agent, name, 0, 1)  # the file mapped, nothing of it touched
+    assert view is not None and _mapped_rss(files) <= 2 * PAGE
+    mapped.prefetch(agent, name, 0, n)
+    assert _mapped_rss(files) >= nbytes  # every page of the tensor mapped, none faulted in by a read
+    mapped.release(agent, name, 0, n)
+    assert _mapped_rss(files) <= 2 * PAGE
+    del view
+    mapped.close()
+    agent.close()
+
+
 def test_the_blocks_ahead_are_requested_before_they_are_computed(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The readahead thread is asked for the next AHEAD blocks of every model before the current block is handed

@@ -9,10 +9,13 @@ asks), or when it is viewed if it was not (docs/architecture.md).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
+import sys
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -84,11 +87,14 @@ class Mapped:
         return np.frombuffer(mm, dtype=info.dtype.np_storage, count=stop - start, offset=lo)
 
     def prefetch(self, ckpt: Checkpoint, name: str, start: int, stop: int) -> None:
-        """Start reading the bytes of elements [start, stop) of ``name`` into the page cache, without waiting for
-        them: ``posix_fadvise(WILLNEED)`` on the file, which needs no mapping and releases the GIL, so a helper
-        thread can ask while the blocks before are computed (on a cold file the call itself takes a while: it
-        allocates the pages, reclaiming others, and queues the reads). The file's size is noted for ``view``'s
-        check. Advice only: nothing is raised."""
+        """Read the bytes of elements [start, stop) of ``name`` ahead, on a helper thread while the blocks before
+        are computed: ``posix_fadvise(WILLNEED)`` on the file starts their reads (on a cold file the call itself
+        takes a while: it allocates the pages, reclaiming others, and queues the reads), then, where the file is
+        mapped already, ``MADV_POPULATE_READ`` maps them into this process, waiting for them (libc's madvise
+        through ctypes, which releases the GIL; CPython's ``mmap.madvise`` holds it). The compute threads then
+        find the pages mapped instead of faulting them in: cold 7B-shape merges took 21–65 % less system time in
+        every paired run and up to 15 s less of ~58 s (TIES; docs/benchmarks.md, 2026-12-08). The file's size is
+        noted for ``view``'s check. Advice only: nothing is raised."""
         info: TensorInfo = ckpt.tensors[name]
         if not ckpt.viewable or stop <= start:
             return
@@ -97,6 +103,15 @@ class Mapped:
             self._sizes[info.file] = os.fstat(fd).st_size
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, info.offset + start * size, (stop - start) * size, os.POSIX_FADV_WILLNEED)
+        got = self._maps.get(info.file)  # mapped by an earlier view (the helper thread maps nothing itself)
+        if _MADVISE is None or got is None:
+            return
+        lo = (info.offset + start * size) // PAGE * PAGE
+        hi = min(got[1], -(-(info.offset + stop * size) // PAGE) * PAGE)
+        if hi > lo:
+            with contextlib.suppress(ValueError):  # closed meanwhile
+                whole = np.frombuffer(got[0], dtype=np.uint8)  # holds the mapping open during the call
+                _MADVISE(whole.ctypes.data + lo, hi - lo, POPULATE_READ)  # an error (an old kernel): advice only
 
     def release(self, ckpt: Checkpoint, name: str, start: int, stop: int) -> None:
         """Hand back the pages of elements [start, stop) of ``name``: ``MADV_DONTNEED`` on every folio those pages
@@ -121,3 +136,21 @@ class Mapped:
 
 
 DONTNEED = getattr(mmap, "MADV_DONTNEED", 0)
+POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def _libc_madvise() -> Any:
+    """libc's madvise(addr, length, advice) on Linux (MADV_POPULATE_READ: Linux 5.14 and later; an older kernel
+    answers EINVAL, which ``prefetch`` ignores), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        f = ctypes.CDLL(None, use_errno=True).madvise  # the process's own libc
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+_MADVISE = _libc_madvise()
