@@ -106,8 +106,7 @@ class Mapped:
         got = self._maps.get(info.file)  # mapped by an earlier view (the helper thread maps nothing itself)
         if _MADVISE is None or got is None:
             return
-        lo = (info.offset + start * size) // PAGE * PAGE
-        hi = min(got[1], -(-(info.offset + stop * size) // PAGE) * PAGE)
+        lo, hi = _span(info, start, stop, PAGE, got[1])
         if hi > lo:
             with contextlib.suppress(ValueError):  # closed meanwhile
                 whole = np.frombuffer(got[0], dtype=np.uint8)  # holds the mapping open during the call
@@ -122,8 +121,7 @@ class Mapped:
         got = self._maps.get(info.file)
         if not DONTNEED or got is None or not hasattr(got[0], "madvise"):
             return
-        lo = (info.offset + start * info.dtype.itemsize) // FOLIO * FOLIO
-        hi = min(got[1], -(-(info.offset + stop * info.dtype.itemsize) // FOLIO) * FOLIO)
+        lo, hi = _span(info, start, stop, FOLIO, got[1])
         if hi > lo:
             with contextlib.suppress(OSError, ValueError):  # ValueError: closed meanwhile
                 got[0].madvise(DONTNEED, lo, hi - lo)
@@ -133,6 +131,14 @@ class Mapped:
             with contextlib.suppress(BufferError):  # a view still alive: the mapping goes with it
                 mm.close()
         self._maps.clear()
+
+
+def _span(info: TensorInfo, start: int, stop: int, unit: int, size: int) -> tuple[int, int]:
+    """The byte range [lo, hi) of a mapping of ``size`` bytes that covers elements [start, stop) of ``info``,
+    widened to whole ``unit``s (pages, folios) and cut at the mapping's end."""
+    itemsize = info.dtype.itemsize
+    return ((info.offset + start * itemsize) // unit * unit,
+            min(size, -(-(info.offset + stop * itemsize) // unit) * unit))
 
 
 DONTNEED = getattr(mmap, "MADV_DONTNEED", 0)
